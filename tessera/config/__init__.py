@@ -1,0 +1,4 @@
+from tessera.config.manager import ConfigError, help_text, parse_args, to_toml
+from tessera.config.sections import JobConfig
+
+__all__ = ["ConfigError", "JobConfig", "help_text", "parse_args", "to_toml"]

@@ -1,0 +1,5 @@
+import sys
+
+from tessera.config.manager import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,191 @@
+"""Builds a JobConfig from defaults < TOML file < CLI flags, and renders `--help` and the dumped TOML.
+
+Torch-free on purpose: `run_train.sh` checks a config in well under a second before launching ranks.
+"""
+
+import dataclasses
+import difflib
+import os
+import sys
+import tomllib
+import types
+import typing
+from typing import Any
+
+import tomli_w
+
+from tessera.config.sections import JobConfig
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message is one line naming the key (and file) and how to fix it."""
+
+
+def _leaves(obj, prefix=""):
+    """Yield (dotted key, owner dataclass, field) for every leaf option."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", obj, f
+
+
+def _field_type(owner, f) -> Any:
+    return typing.get_type_hints(type(owner))[f.name]
+
+
+def _describe(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "none", list[str]: "a comma-separated list"}.get(tp, str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Convert a TOML value or CLI string to `tp`, or raise ConfigError naming the key."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _convert(value, next(a for a in typing.get_args(tp) if a is not type(None)), key, where)
+    from_cli = isinstance(value, str)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in _TRUE + _FALSE:
+                return value.lower() in _TRUE
+        elif tp is int and not isinstance(value, bool):
+            if isinstance(value, int) or from_cli:
+                return int(value)
+        elif tp is float and not isinstance(value, bool):
+            if isinstance(value, (int, float)) or from_cli:
+                return float(value)
+        elif tp is str:
+            if isinstance(value, str):
+                return value
+        elif tp == list[str]:
+            if from_cli:
+                return [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{key}{where}: expected {_describe(tp)}, got {value!r}")
+
+
+def _options(cfg: JobConfig) -> dict[str, tuple[Any, dataclasses.Field]]:
+    return {key: (owner, f) for key, owner, f in _leaves(cfg)}
+
+
+def _unknown(key: str, known, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see --help for the options"
+    return ConfigError(f"unknown option '{key}'{where}{hint}")
+
+
+def _set(cfg: JobConfig, options, key: str, value: Any, where: str) -> None:
+    if key not in options:
+        raise _unknown(key, options, where)
+    owner, f = options[key]
+    value = _convert(value, _field_type(owner, f), key, where)
+    choices, low = f.metadata.get("choices"), f.metadata.get("min")
+    if choices and value not in choices:
+        raise ConfigError(f"{key}{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+    if low is not None and value is not None and value < low:
+        raise ConfigError(f"{key}{where}: {value!r} is below the minimum {low}")
+    setattr(owner, f.name, value)
+
+
+def _flatten_toml(table: dict, prefix: str = ""):
+    for k, v in table.items():
+        if isinstance(v, dict):
+            yield from _flatten_toml(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _split_cli(argv: list[str], options) -> list[tuple[str, str]]:
+    """`--a.b v`, `--a.b=v`, bare `--a.b` (boolean true) -> [(key, raw value)]."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': options look like --section.key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            owner_field = options.get(key)
+            is_bool = owner_field is not None and _field_type(*owner_field) is bool
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if is_bool and (nxt is None or nxt.lower() not in _TRUE + _FALSE):
+                value = "true"
+            elif nxt is None:
+                raise ConfigError(f"--{key}: missing value")
+            else:
+                value, i = nxt, i + 1
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """defaults < --job.config_file TOML < CLI flags."""
+    cfg = JobConfig()
+    options = _options(cfg)
+    cli = _split_cli(argv, options)
+    path = next((v for k, v in reversed(cli) if k == "job.config_file"), "")
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"job.config_file: no such file '{path}'")
+        try:
+            with open(path, "rb") as fh:
+                table = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job.config_file: '{path}' is not valid TOML ({e})") from None
+        for key, value in _flatten_toml(table):
+            _set(cfg, options, key, value, f" (in {path})")
+    for key, value in cli:
+        _set(cfg, options, key, value, " (on the command line)")
+    return cfg
+
+
+def to_toml(cfg: JobConfig) -> str:
+    def strip_none(d):
+        return {k: strip_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+    return tomli_w.dumps(strip_none(dataclasses.asdict(cfg)))
+
+
+def help_text() -> str:
+    lines = ["usage: torchrun ... -m tessera.train [--job.config_file FILE] [--section.key VALUE ...]",
+             "", "Precedence: CLI > TOML file > defaults. Booleans: --key, --key=false. Lists: a,b.", ""]
+    section = None
+    for key, owner, f in _leaves(JobConfig()):
+        head = key.rsplit(".", 1)[0]
+        if head != section:
+            lines.append(f"[{head}]")
+            section = head
+        default = getattr(owner, f.name)
+        choices = f.metadata.get("choices")
+        extra = f" {{{'|'.join(map(str, choices))}}}" if choices else ""
+        lines.append(f"  --{key:<46} {f.metadata['doc']} (default: {default!r}){extra}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tessera.config [--world-size N] [flags]`: validate only, for launch scripts."""
+    from tessera.config.validate import validate
+
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        validate(parse_args(argv), world_size)
+    except ConfigError as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,168 @@
+"""Config sections: one dataclass per TOML section; each field's doc lives in its `opt`."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None) -> Any:
+    """A config field: its default, the one-line doc `--help` prints, and its valid range."""
+    meta = {"doc": doc, "choices": choices, "min": min}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file to read; CLI flags override it")
+    dump_folder: str = opt("./outputs", "folder for logs, metrics, TensorBoard events and checkpoints")
+    description: str = opt("", "free text recorded with the run")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "model family", choices=("llama3",))
+    flavor: str = opt("debugmodel", "size preset: a row of the table in tessera/models/<name>/args.py")
+    hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte tokenizer")
+    converters: list[str] = opt([], "module converters applied before parallelism, e.g. quantize.linear.float8")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "peak learning rate", min=0.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0)
+    eps: float = opt(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
+    implementation: str = opt("auto", "auto picks fused on accelerators and foreach on CPU",
+                              choices=("auto", "fused", "foreach", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "steps of linear warmup from ~0 to optimizer.lr", min=0)
+    decay_ratio: float | None = opt(None, "share of steps spent decaying at the end (WSD); none = decay right after warmup", min=0.0)
+    decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
+    min_lr_factor: float = opt(0.0, "final lr as a fraction of optimizer.lr", min=0.0)
+
+
+@dataclass
+class Training:
+    local_batch_size: int = opt(8, "sequences per rank per micro-batch", min=1)
+    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; -1 = local x DP (no accumulation)")
+    seq_len: int = opt(2048, "tokens per sequence", min=2)
+    max_norm: float = opt(1.0, "clip gradients to this global L2 norm; 0 = no clipping", min=0.0)
+    steps: int = opt(10000, "optimizer steps to train", min=1)
+    dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id ORG/NAME")
+    dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; or a local copy of a hub dataset")
+    dataset_text_field: str = opt("text", "field holding the document text in jsonl/parquet/hub rows")
+    seed: int = opt(0, "seed for initialization and data order", min=0)
+    deterministic: bool = opt(False, "use deterministic kernels (bit-exact reruns, slower)")
+    mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 on CPU",
+                                     choices=("auto", "float32", "bfloat16"))
+    mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
+    enable_cpu_offload: bool = opt(False, "keep sharded params, grads and optimizer state in CPU memory (FSDP2)")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate loss on the held-out split")
+    freq: int = opt(100, "evaluate every N steps", min=1)
+    steps: int = opt(4, "batches per evaluation", min=1)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = all ranks left after the other degrees")
+    data_parallel_replicate_degree: int = opt(1, "replicas (HSDP when > 1 with sharding, DDP-like when shard = 1)", min=1)
+    tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
+    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
+    context_parallel_degree: int = opt(1, "context parallel degree", min=1)
+    expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models)", min=1)
+    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the root",
+                                          choices=("default", "always", "never"))
+    disable_loss_parallel: bool = opt(False, "gather vocab-sharded logits before the loss under TP")
+    enable_async_tensor_parallel: bool = opt(False, "overlap TP collectives with compute (CUDA + compile)")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "log every N steps", min=1)
+    enable_tensorboard: bool = opt(False, "write TensorBoard events under <dump_folder>/<save_tb_folder>")
+    save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
+    enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "save and auto-resume DCP checkpoints")
+    folder: str = opt("checkpoint", "checkpoint folder inside dump_folder")
+    interval: int = opt(500, "save every N steps", min=1)
+    keep_latest_k: int = opt(10, "keep this many complete checkpoints; 0 = keep all", min=0)
+    async_mode: str = opt("disabled", "overlap saves with training", choices=("disabled", "async", "async_with_pinned_mem"))
+    load_step: int = opt(-1, "resume from this step instead of the latest")
+    initial_load_path: str = opt("", "checkpoint to start from when the folder is empty")
+    initial_load_model_only: bool = opt(True, "take only model weights from initial_load_path")
+    initial_load_in_hf: bool = opt(False, "initial_load_path holds Hugging Face safetensors")
+    last_save_model_only: bool = opt(True, "final save holds model weights only")
+    last_save_in_hf: bool = opt(False, "final save in Hugging Face safetensors")
+    export_dtype: str = opt("float32", "dtype of model-only saves", choices=("float32", "bfloat16", "float16"))
+    create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit (one process)")
+    exclude_from_loading: list[str] = opt([], "state keys not to load, e.g. optimizer,dataloader")
+    enable_first_step_checkpoint: bool = opt(False, "also save after step 1")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("2", "'op' = save selected matmul outputs; an integer N = checkpoint every N-th block")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile the components below")
+    components: list[str] = opt(["model", "loss"], "what to compile: model (each block), loss")
+
+
+@dataclass
+class Float8:
+    recipe_name: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax all-reduce after each optimizer step")
+    filter_fqns: list[str] = opt(["output"], "skip linears whose name contains one of these; auto_filter_small_kn skips small GEMMs")
+    emulate: bool = opt(False, "emulate float8 matmuls (runs anywhere; for tests)")
+
+
+@dataclass
+class MX:
+    recipe_name: str = opt("mxfp8_cublas", "MX recipe")
+    filter_fqns: list[str] = opt(["output"], "skip linears whose name contains one of these")
+    emulate: bool = opt(False, "emulate MX matmuls (runs anywhere; for tests)")
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8 = field(default_factory=Float8)
+    mx: MX = field(default_factory=MX)
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)

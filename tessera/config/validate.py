@@ -1,0 +1,55 @@
+"""Cross-field checks, run before any process group or file exists. Each failure is one ConfigError line."""
+
+import glob
+import os
+
+from tessera.config.manager import ConfigError
+from tessera.config.sections import JobConfig
+from tessera.models import FAMILIES, flavors
+from tessera.parallel.dims import ParallelDims
+
+# Accepted by the config so shipped configs can name them, refused until implemented.
+_NOT_YET = {
+    "parallelism.tensor_parallel_degree": lambda c: c.parallelism.tensor_parallel_degree > 1,
+    "parallelism.pipeline_parallel_degree": lambda c: c.parallelism.pipeline_parallel_degree > 1,
+    "parallelism.context_parallel_degree": lambda c: c.parallelism.context_parallel_degree > 1,
+    "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
+    "checkpoint.enable": lambda c: c.checkpoint.enable,
+    "model.converters": lambda c: bool(c.model.converters),
+    "training.enable_cpu_offload": lambda c: c.training.enable_cpu_offload,
+}
+
+
+def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Check everything that can be checked without torch; returns the resolved parallel degrees."""
+    for key, enabled in _NOT_YET.items():
+        if enabled(cfg):
+            raise ConfigError(f"{key}: not supported yet in this version of Tessera; remove it or use the default")
+    m, t = cfg.model, cfg.training
+    if m.name not in FAMILIES:
+        raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
+    if m.flavor not in flavors(m.name):
+        raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
+                          f"{', '.join(flavors(m.name))}")
+    if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
+        raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
+                          f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
+    if t.dataset == "files" and not t.dataset_path:
+        raise ConfigError("training.dataset_path: empty, but training.dataset = 'files' needs a file, folder or glob")
+    if t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
+        raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    per_step = t.local_batch_size * dims.dp
+    if t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
+        raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
+                          f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
+        raise ConfigError(f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' is neither 'op' "
+                          f"nor a positive integer")
+    if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
+        raise ConfigError(f"compile.components: {cfg.compile.components} may only hold 'model' and 'loss'")
+    return dims

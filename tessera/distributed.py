@@ -1,0 +1,68 @@
+"""Process group, device and DeviceMesh, chosen at runtime: CUDA + NCCL when present, else CPU + gloo."""
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.parallel.dims import ParallelDims
+
+
+@dataclass
+class World:
+    rank: int
+    local_rank: int
+    size: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: DeviceMesh | None  # None for a single process
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)  # flattened axes, e.g. "dp" = replicate x shard
+
+    @property
+    def dp_rank(self) -> int:
+        return self.flat["dp"].get_local_rank() if self.mesh is not None and self.dims.dp > 1 else 0
+
+    def dp_mesh(self) -> DeviceMesh | None:
+        """Mesh FSDP works over: 2D (replicate, shard) for HSDP, else 1D."""
+        if self.mesh is None or self.dims.dp == 1:
+            return None
+        if self.dims.dp_replicate > 1:  # HSDP; with shard 1 it is plain replication (DDP)
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.flat["dp"]
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
+    """Start the process group (if launched with several ranks) and build one mesh with every axis."""
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # Ranks on one host share its cores; oversubscribed threads thrash.
+        if "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if dims.world_size == 1:
+        return World(0, 0, 1, device, dims, None)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    axes = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
+            ("cp", dims.cp), ("tp", dims.tp)]
+    names, sizes = zip(*axes)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+    flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+    return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,122 @@
+"""Throughput, FLOPs, memory, and where they are written: console, metrics.jsonl, TensorBoard, W&B."""
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+
+log = logging.getLogger("tessera")
+
+# Dense bf16 peak FLOP/s per device, from vendors' datasheets (without sparsity).
+_GPU_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12, "B100": 1750e12,
+             "A100": 312e12, "A800": 312e12, "A10G": 70e12, "L40S": 362e12, "L4": 121e12, "MI300X": 1307e12,
+             "MI325X": 1307e12, "MI250X": 383e12}
+
+
+def flops_per_token(num_params_non_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls with weights (forward 2N, backward 4N), plus
+    attention scores and values, 12 L H D_head S (causal masking not discounted, as in the PaLM paper)."""
+    return 6 * num_params_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def measure_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                      seconds: float = 0.3) -> float:
+    """Achieved FLOP/s of a square matmul: the machine's practical ceiling for MFU."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+        sync()
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """(FLOP/s, where the number came from): a known GPU's datasheet, else a GEMM measured now."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _GPU_PEAK.items():
+            if key in name.replace(" ", ""):
+                return value, f"datasheet bf16 peak of {name}"
+        return measure_gemm_peak(device, torch.bfloat16, 4096), f"measured bf16 GEMM on {name}"
+    return measure_gemm_peak(device), f"measured fp32 GEMM on CPU ({torch.get_num_threads()} threads)"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return rss_kib / 2**20
+
+
+def _eta(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing."""
+
+    def __init__(self, dump_folder: str, total_steps: int, *, active: bool, tensorboard_dir: str | None = None,
+                 wandb: bool = False, config: dict | None = None):
+        self.total_steps, self.active = total_steps, active
+        self.start = time.perf_counter()
+        self.jsonl = self.tb = self.wandb = None
+        if not active:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(tensorboard_dir)
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                log.warning("metrics.enable_wandb is set but wandb is not installed (pip install wandb); skipping W&B")
+            else:
+                self.wandb = wb.init(dir=dump_folder, config=config)
+
+    def log(self, step: int, metrics: dict[str, float], *, prefix: str = "") -> None:
+        if not self.active:
+            return
+        record = {"step": step, **({f"{prefix}{k}": v for k, v in metrics.items()})}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"{prefix}{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}{k}": v for k, v in metrics.items()}, step=step)
+        if prefix:
+            parts = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            log.info(f"step {step:>6}  {prefix.rstrip('/')}  {parts}")
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(step, 1) * (self.total_steps - step)
+        m = metrics
+        log.info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {m['loss']:.4f}  "
+                 f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  tps {m['tps']:,.0f}  "
+                 f"tflops {m['tflops']:.3f}  mfu {m['mfu']:.1%}  mem {m['memory_gib']:.2f}GiB  "
+                 f"data {m['data_share']:.1%}  eta {_eta(eta)}")
+
+    def close(self) -> None:
+        for sink in (self.jsonl, self.tb):
+            if sink is not None:
+                sink.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stdout, format="[tessera %(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S", force=True)

@@ -1,0 +1,50 @@
+"""Llama 3 / 3.1 / 3.2 hyper-parameters. Torch-free, so configs are checked before launch."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Llama3Args:
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    vocab_size: int = 128256  # debugmodel takes the tokenizer's instead
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to this
+    ffn_dim_multiplier: float = 1.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: float = 0.0  # Llama 3.1 frequency scaling; 0 = none
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    max_seq_len: int = 8192  # length of the RoPE table; set from training.seq_len
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+
+# name: dim, layers, heads, kv heads, ffn multiplier, multiple_of, rope scaling factor, tied embeddings
+_TABLE = {
+    "tiny": (64, 2, 4, 2, 1.0, 32, 8.0, False),  # for tests: milliseconds per step
+    "debugmodel": (256, 6, 16, 8, 1.0, 256, 8.0, False),
+    "1B": (2048, 16, 32, 8, 1.5, 256, 32.0, True),
+    "3B": (3072, 28, 24, 8, 1.0, 256, 32.0, True),
+    "8B": (4096, 32, 32, 8, 1.3, 1024, 8.0, False),
+    "70B": (8192, 80, 64, 8, 1.3, 4096, 8.0, False),
+    "405B": (16384, 126, 128, 8, 1.2, 4096, 8.0, False),
+}
+
+FLAVORS = {
+    name: Llama3Args(dim=d, n_layers=l, n_heads=h, n_kv_heads=kv, ffn_dim_multiplier=m, multiple_of=mo,
+                     rope_scaling_factor=rs, tie_embeddings=tie)
+    for name, (d, l, h, kv, m, mo, rs, tie) in _TABLE.items()
+}
+TAKES_TOKENIZER_VOCAB = {"tiny", "debugmodel"}

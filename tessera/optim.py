@@ -1,0 +1,54 @@
+"""Optimizer, LR schedule and gradient clipping that stays correct under sharding."""
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tessera.config.sections import LRScheduler, Optimizer
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+    impl = cfg.implementation
+    if impl == "auto":
+        # Fused kernels win on accelerators; on CPU foreach is the tested fast path with DTensor params.
+        impl = "fused" if device.type != "cpu" else "foreach"
+    cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+    return cls(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
+
+
+def lr_lambda(step: int, cfg: LRScheduler, total: int) -> float:
+    """Warmup, stable, decay (WSD). `step` counts from 0; returns a factor of the peak lr.
+
+    Warmup starts at 1/(warmup+1) rather than 0 so the first step still learns.
+    """
+    warmup = min(cfg.warmup_steps, total)
+    decay = total - warmup if cfg.decay_ratio is None else round(cfg.decay_ratio * total)
+    decay = min(decay, total - warmup)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if step < total - decay or decay == 0:
+        return 1.0
+    progress = min(1.0, (step - (total - decay) + 1) / decay)
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.decay_type]
+    return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
+
+
+def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg, total_steps))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm over every gradient, whatever its sharding; clips when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        # A norm of sharded grads is a partial result; full_tensor() reduces it over the mesh.
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm

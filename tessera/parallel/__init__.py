@@ -1,0 +1,1 @@
+"""Each parallelism as functions over modules; a model family's plan composes them."""

@@ -1,0 +1,42 @@
+"""Run the trainer in-process (1 rank) or under torchrun (N ranks) and read back its metrics.jsonl."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny, fast, and fully deterministic on CPU; tests override what they vary.
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "5", "--metrics.log_freq", "1",
+        "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--training.deterministic"]
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    with open(dump / "metrics.jsonl") as fh:
+        return [json.loads(line) for line in fh if '"validation/' not in line]
+
+
+def run_local(dump: Path, *args: str) -> list[dict]:
+    """One process, in this interpreter (no torchrun start-up cost)."""
+    from tessera.train import main
+
+    env_backup = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        assert main([*TINY, "--job.dump_folder", str(dump), *args]) == 0
+    finally:
+        os.environ.update(env_backup)
+    return read_metrics(dump)
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "tessera.train", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
+    proc = torchrun(nproc, *TINY, "--job.dump_folder", str(dump), *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(dump)

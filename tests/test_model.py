@@ -1,0 +1,66 @@
+"""Llama 3: published sizes, shapes, causality, and logits equal to transformers' LlamaForCausalLM."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tessera.models.llama3.args import FLAVORS, Llama3Args
+from tessera.models.llama3.hf import from_hf, hf_config, to_hf
+from tessera.models.llama3.model import Transformer, num_params
+from tessera.parallel.init import materialize
+
+
+@pytest.mark.parametrize("flavor,published", [("1B", 1.236e9), ("3B", 3.213e9), ("8B", 8.030e9),
+                                              ("70B", 70.554e9), ("405B", 405.853e9)])
+def test_parameter_counts_match_published(flavor, published):
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    assert abs(num_params(model) - published) / published < 1e-3
+
+
+def _tiny(**kw) -> Transformer:
+    args = dataclasses.replace(FLAVORS["tiny"], vocab_size=97, max_seq_len=32, **kw)
+    with torch.device("meta"):
+        model = Transformer(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    return model
+
+
+def test_output_shape_and_causality():
+    model = _tiny()
+    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (3, 24, 97)
+    changed = tokens.clone()
+    changed[:, 15:] = (changed[:, 15:] + 1) % 97
+    after = model(changed)
+    torch.testing.assert_close(after[:, :15], logits[:, :15], rtol=0, atol=0)
+    assert not torch.allclose(after[:, 15:], logits[:, 15:])
+
+
+def test_initialization_is_deterministic_and_seed_dependent():
+    a, b = _tiny().state_dict(), _tiny().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    args = dataclasses.replace(FLAVORS["tiny"], vocab_size=97, max_seq_len=32)
+    with torch.device("meta"):
+        c = Transformer(args)
+    materialize(c, torch.device("cpu"), seed=1)
+    assert not torch.equal(c.state_dict()["layers.0.attention.wq.weight"], a["layers.0.attention.wq.weight"])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True), dict(rope_scaling_factor=0.0),
+                                dict(n_kv_heads=4), dict(rope_original_max_pos=16, rope_scaling_factor=4.0)])
+def test_logits_equal_transformers(kw):
+    transformers = pytest.importorskip("transformers")
+    ours = _tiny(**kw)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config(ours.args).items() if k != "rope_scaling"})
+    config.rope_parameters = hf_config(ours.args)["rope_parameters"]
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = theirs.load_state_dict(to_hf(ours.state_dict()), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if ours.args.tie_embeddings else set())
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    back = from_hf(to_hf(ours.state_dict()), ours.args)
+    assert back.keys() == ours.state_dict().keys()
