@@ -52,8 +52,9 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if dims.world_size == 1:
         return World(0, 0, 1, device, dims, None)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     axes = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
             ("cp", dims.cp), ("tp", dims.tp)]
     names, sizes = zip(*axes)

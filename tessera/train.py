@@ -14,13 +14,14 @@ import torch.nn.functional as F
 
 from tessera import models
 from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
-from tessera.config.validate import validate
+from tessera.config.validate import check_vocab, validate
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.distributed import World, init_world, shutdown, world_size_from_env
 from tessera.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
 from tessera.models.llama3.model import num_params
 from tessera.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from tessera.parallel.init import materialize
+from tessera.parallel.tp import local, loss_context
 
 log = logging.getLogger("tessera")
 
@@ -43,6 +44,7 @@ class Trainer:
     flops_per_token: float
     peak_flops: float
     autocast: contextlib.AbstractContextManager
+    loss_parallel: bool
     step: int = 0
     tokens_seen: int = 0
     history: list[dict] = field(default_factory=list)
@@ -76,6 +78,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     set_determinism(cfg)
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    check_vocab(cfg, tokenizer.vocab_size, world.dims.tp)
     model, args = build_model(cfg, world, tokenizer.vocab_size)
     optimizer = build_optimizer(model, cfg.optimizer, world.device)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -100,8 +103,9 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
     fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
                           t.seq_len)
+    loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
     return Trainer(cfg, world, model, optimizer, scheduler, loader, val_loader, metrics, grad_accum, fpt, peak,
-                   autocast)
+                   autocast, loss_parallel)
 
 
 def dp_mean(value: torch.Tensor, world: World) -> float:
@@ -121,11 +125,12 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
         inputs, labels = tr.loader.next_batch()
         inputs, labels = inputs.to(tr.world.device, non_blocking=True), labels.to(tr.world.device, non_blocking=True)
         data_s += time.perf_counter() - start
-        with tr.autocast:
-            # Micro-batches hold equal token counts, so the mean of means is the global mean.
-            loss = loss_fn(tr.model(inputs), labels) / tr.grad_accum
-        loss.backward()
-        loss_total += loss.detach()
+        with loss_context(tr.loss_parallel):
+            with tr.autocast:
+                # Micro-batches hold equal token counts, so the mean of means is the global mean.
+                loss = loss_fn(tr.model(inputs), labels) / tr.grad_accum
+            loss.backward()
+        loss_total += local(loss.detach())
     grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm)
     if not torch.isfinite(loss_total + grad_norm).item():
         raise NonFiniteError(f"step {tr.step + 1}: non-finite loss {loss_total.item()} or grad norm "
@@ -142,20 +147,21 @@ def validate_loss(tr: Trainer) -> float:
     total = torch.zeros((), device=tr.world.device)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = (x.to(tr.world.device) for x in tr.val_loader.next_batch())
-        with tr.autocast:
-            total += loss_fn(tr.model(inputs), labels)
+        with tr.autocast, loss_context(tr.loss_parallel):
+            total += local(loss_fn(tr.model(inputs), labels))
     tr.model.train()
     return dp_mean(total / tr.cfg.validation.steps, tr.world)
 
 
 def train(tr: Trainer) -> None:
     t, m = tr.cfg.training, tr.cfg.metrics
-    tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum  # on this rank
+    # Per device: TP/PP/CP ranks of one data-parallel replica share its tokens, so each counts once.
+    tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
     while tr.step < t.steps:
         loss, grad_norm, data_s = train_step(tr)
         tr.step += 1
-        tr.tokens_seen += tokens_per_step * tr.world.dims.dp
+        tr.tokens_seen += int(tokens_per_step * tr.world.size)
         window_data_s, window_steps = window_data_s + data_s, window_steps + 1
         if tr.step % m.log_freq == 0 or tr.step == t.steps:
             if tr.world.device.type == "cuda":
@@ -204,6 +210,9 @@ def main(argv: list[str]) -> int:
         train(tr)
         summarize(tr)
         tr.metrics.close()
+    except ConfigError as e:  # checks that need the tokenizer or the model
+        log.error(f"tessera: {e}")
+        return 2
     except NonFiniteError as e:
         log.error(f"tessera: {e}")
         return 1

@@ -40,3 +40,28 @@ def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
     proc = torchrun(nproc, *TINY, "--job.dump_folder", str(dump), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(dump)
+
+
+def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, timeout: int = 600) -> list[dict]:
+    """Several training cases in ONE torchrun launch (start-up dominates); see tests/dist_worker.py."""
+    import torch
+
+    out = tmp / "results.pt"
+    flat = [a for case in cases for a in ("--", *case)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "tests" / "dist_worker.py"), str(out), str(steps), *flat]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out)
+
+
+def assert_matches(got: dict, ref: dict, tol: float) -> None:
+    """Per-step losses and step-1 gradients equal the reference within `tol` (relative to max(1, |ref|))."""
+    import torch
+
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        assert abs(a - b) <= tol * max(1.0, abs(b)), f"step {step + 1}: loss {a} vs reference {b}"
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in got["grads"].items():
+        torch.testing.assert_close(g, ref["grads"][name], rtol=tol, atol=tol, msg=lambda m: f"grad {name}: {m}")

@@ -18,11 +18,6 @@ def _close(a, b, key, tol=TOL):
         assert abs(x[key] - y[key]) <= tol * max(1.0, abs(y[key])), (key, x["step"], x[key], y[key])
 
 
-def test_loss_falls_on_reference(reference):
-    # 5 steps of a tiny model at lr 3e-3 already move byte-level loss well below ln(258) = 5.55.
-    assert reference[-1]["loss"] < reference[0]["loss"] - 0.3
-
-
 def test_fsdp2_matches_single_process(tmp_path, reference):
     got = run_dist(2, tmp_path, "--training.local_batch_size", "4")
     _close(got, reference, "loss")

@@ -115,6 +115,8 @@ def _split_cli(argv: list[str], options) -> list[tuple[str, str]]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument '{arg}': options look like --section.key value")
         key, eq, value = arg[2:].partition("=")
+        if key not in options:  # before guessing whether it takes a value: a mistyped bool must not eat the next flag
+            raise _unknown(key, options, " (on the command line)")
         if not eq:
             owner_field = options.get(key)
             is_bool = owner_field is not None and _field_type(*owner_field) is bool

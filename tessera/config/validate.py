@@ -5,12 +5,11 @@ import os
 
 from tessera.config.manager import ConfigError
 from tessera.config.sections import JobConfig
-from tessera.models import FAMILIES, flavors
+from tessera.models import FAMILIES, flavors, takes_tokenizer_vocab
 from tessera.parallel.dims import ParallelDims
 
 # Accepted by the config so shipped configs can name them, refused until implemented.
 _NOT_YET = {
-    "parallelism.tensor_parallel_degree": lambda c: c.parallelism.tensor_parallel_degree > 1,
     "parallelism.pipeline_parallel_degree": lambda c: c.parallelism.pipeline_parallel_degree > 1,
     "parallelism.context_parallel_degree": lambda c: c.parallelism.context_parallel_degree > 1,
     "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
@@ -46,6 +45,8 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
+    if dims.tp > 1:
+        _check_tp(cfg, dims.tp)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
         raise ConfigError(f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' is neither 'op' "
@@ -53,3 +54,31 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
         raise ConfigError(f"compile.components: {cfg.compile.components} may only hold 'model' and 'loss'")
     return dims
+
+
+def _check_tp(cfg: JobConfig, tp: int) -> None:
+    args, p = flavors(cfg.model.name)[cfg.model.flavor], cfg.parallelism
+    for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
+                       ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
+        if what == "vocab size" and cfg.model.flavor in takes_tokenizer_vocab(cfg.model.name):
+            continue  # known once the tokenizer is loaded; checked then (check_vocab)
+        if size % tp:
+            raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) of "
+                              f"{cfg.model.name} {cfg.model.flavor}; pick a divisor")
+    if args.tie_embeddings:
+        raise ConfigError(f"parallelism.tensor_parallel_degree: {cfg.model.flavor} ties its embeddings, which tensor "
+                          f"parallelism does not support yet; use FSDP (data_parallel_shard_degree) instead")
+    if p.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
+        raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
+                          "(it is an inductor pass over NCCL symmetric memory); turn it off here")
+
+
+def check_vocab(cfg: JobConfig, vocab_size: int, tp: int) -> None:
+    if tp > 1 and vocab_size % tp:
+        raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the tokenizer's vocab size "
+                          f"({vocab_size}) for {cfg.model.flavor}; pick a divisor")
+
+
+def _has_cuda() -> bool:
+    import shutil
+    return shutil.which("nvidia-smi") is not None

@@ -1,4 +1,4 @@
-"""Llama 3's parallelism plan: which pieces each parallelism applies to, in which order."""
+"""Llama 3's parallelism plan: which pieces each parallelism applies to, in which order (TP, then FSDP)."""
 
 import torch
 from torch import nn
@@ -6,8 +6,13 @@ from torch import nn
 from tessera.config import JobConfig
 from tessera.distributed import World
 from tessera.parallel.fsdp import apply_fsdp
+from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+BLOCK_TP_PLAN = block_plan(attention="attention", attn_in=("wq", "wk", "wv"), attn_out="wo",
+                           ffn="feed_forward", ffn_in=("w1", "w3"), ffn_out="w2",
+                           norms=("attention_norm", "ffn_norm"))
 
 
 def param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
@@ -18,11 +23,18 @@ def param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
 
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
+    p = cfg.parallelism
+    if world.dims.tp > 1:
+        tp_mesh = world.mesh["tp"]
+        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
+                 model.layers, BLOCK_TP_PLAN)
+        if p.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
     dp_mesh = world.dp_mesh()
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh, list(model.layers.values()),
                    param_dtype=param_dtype(cfg, world.device),
                    reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
-                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                   reshard_after_forward=p.fsdp_reshard_after_forward,
                    cpu_offload=cfg.training.enable_cpu_offload)
     return model
