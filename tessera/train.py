@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera import models
+from tessera.checkpoint.manager import Checkpointer, CorruptCheckpoint
 from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
 from tessera.config.validate import check_vocab, validate
 from tessera.data import build_dataloader, build_tokenizer
@@ -45,6 +46,8 @@ class Trainer:
     peak_flops: float
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
+    model_args: object
+    checkpointer: Checkpointer
     step: int = 0
     tokens_seen: int = 0
     history: list[dict] = field(default_factory=list)
@@ -104,8 +107,10 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
                           t.seq_len)
     loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
-    return Trainer(cfg, world, model, optimizer, scheduler, loader, val_loader, metrics, grad_accum, fpt, peak,
-                   autocast, loss_parallel)
+    tr = Trainer(cfg, world, model, optimizer, scheduler, loader, val_loader, metrics, grad_accum, fpt, peak,
+                 autocast, loss_parallel, args, Checkpointer(cfg, world.rank))
+    tr.checkpointer.load(tr)
+    return tr
 
 
 def dp_mean(value: torch.Tensor, world: World) -> float:
@@ -168,16 +173,20 @@ def train(tr: Trainer) -> None:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start
             tps = tokens_per_step * window_steps / elapsed
+            stall, tr.checkpointer.stall_s = tr.checkpointer.stall_s, 0.0
             record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
                       "lr": tr.scheduler.get_last_lr()[0], "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
                       "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
-                      "data_share": window_data_s / elapsed}
+                      "data_share": window_data_s / elapsed, "checkpoint_stall_s": stall}
             tr.metrics.log(tr.step, record)
             tr.history.append({"step": tr.step, **record})
             window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
         if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or tr.step == t.steps):
             tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
             window_start = time.perf_counter()
+        if tr.checkpointer.should_save(tr.step, last=tr.step == t.steps):
+            tr.checkpointer.save(tr, last=tr.step == t.steps)
+    tr.checkpointer.wait()
 
 
 def summarize(tr: Trainer) -> None:
@@ -192,6 +201,13 @@ def summarize(tr: Trainer) -> None:
               if tr.cfg.metrics.enable_tensorboard else ""))
 
 
+def _fail(error: Exception, code: int) -> int:
+    """One line on stderr (from rank 0 only, so a job prints it once) and the exit status."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tessera: {error}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -200,22 +216,21 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         dims = validate(cfg, world_size_from_env())
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"tessera: {e}", file=sys.stderr)
-        return 2
+        return _fail(e, 2)
     world = init_world(dims)
     setup_logging(world.rank)
     try:
         tr = build_trainer(cfg, world)
-        train(tr)
-        summarize(tr)
+        if cfg.checkpoint.create_seed_checkpoint:
+            tr.checkpointer.save_seed(tr)
+        else:
+            train(tr)
+            summarize(tr)
         tr.metrics.close()
-    except ConfigError as e:  # checks that need the tokenizer or the model
-        log.error(f"tessera: {e}")
-        return 2
-    except NonFiniteError as e:
-        log.error(f"tessera: {e}")
-        return 1
+    except ConfigError as e:  # checks that need the tokenizer, the model or the checkpoint folder
+        return _fail(e, 2)
+    except (NonFiniteError, CorruptCheckpoint) as e:
+        return _fail(e, 1)
     finally:
         shutdown()
     return 0

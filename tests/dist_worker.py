@@ -1,60 +1,90 @@
-"""Runs training cases in one launch and saves per-step losses and step-1 gradients (full tensors).
+"""Runs training cases in one launch and saves what the tests compare.
 
-    torchrun --nproc_per_node=N tests/dist_worker.py OUT.pt STEPS -- <case 1 flags> -- <case 2 flags> ...
+    torchrun --nproc_per_node=N tests/dist_worker.py OUT.pt STEPS MODE -- <case 1 flags> -- <case 2 flags> ...
 
-The same `run_case` runs in-process for the single-process reference.
+MODE "grads": per-step losses and step-1 gradients (full tensors), in a temporary dump folder.
+MODE "train": the real `train()` loop (checkpoints and resume included, in the case's dump folder):
+per-step losses, the ids (content hashes) of the samples each step consumed over all DP ranks, and the
+final parameters. The same functions run in-process for single-process references.
 """
 
 import sys
 import tempfile
+import zlib
 
 import torch
+import torch.distributed as dist
 
 from tessera.config import parse_args
 from tessera.config.validate import validate
 from tessera.distributed import init_world, world_size_from_env
 from tessera.parallel.tp import local
-from tessera.train import build_trainer, train_step
+from tessera.train import build_trainer, dp_mean, train, train_step
 
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--training.deterministic", "--metrics.log_freq", "1000"]
+        "--optimizer.lr", "3e-3", "--training.deterministic", "--metrics.log_freq", "1"]
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    return {n: local(p.grad).detach().cpu().clone() for n, p in model.named_parameters()}
+def _trainer(argv: list[str], steps: int, dump: str):
+    cfg = parse_args([*BASE, "--job.dump_folder", dump, "--training.steps", str(steps), *argv])
+    return build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
 
 
-def run_case(argv: list[str], steps: int) -> dict:
+def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
+    return {n: local(getattr(p, attr) if attr else p).detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def run_grads(argv: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as dump:
-        cfg = parse_args([*BASE, "--job.dump_folder", dump, "--training.steps", str(steps), *argv])
-        world = init_world(validate(cfg, world_size_from_env()))
-        tr = build_trainer(cfg, world)
+        tr = _trainer(argv, steps, dump)
         losses, grads = [], None
-        from tessera.train import dp_mean
         for step in range(steps):
             loss, _, _ = train_step(tr)
             tr.step += 1
-            losses.append(dp_mean(loss, world))
+            losses.append(dp_mean(loss, tr.world))
             if step == 0:
-                grads = full_grads(tr.model)
+                grads = full_params(tr.model, "grad")
         tr.metrics.close()
     return {"losses": losses, "grads": grads}
 
 
+def run_train(argv: list[str], steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        tr = _trainer(argv, steps, scratch)  # a case may name its own dump folder
+        samples, next_batch = {}, tr.loader.next_batch
+
+        def recording_next_batch():
+            inputs, labels = next_batch()
+            ids = [zlib.crc32(row.numpy().tobytes()) for row in inputs]
+            if tr.world.dims.dp > 1:
+                gathered = [None] * tr.world.dims.dp
+                dist.all_gather_object(gathered, ids, group=tr.world.flat["dp"].get_group())
+                ids = [i for part in gathered for i in part]
+            samples.setdefault(tr.step + 1, []).extend(ids)
+            return inputs, labels
+
+        tr.loader.next_batch = recording_next_batch
+        start = tr.step
+        train(tr)
+        tr.metrics.close()
+        return {"start": start, "losses": {h["step"]: h["loss"] for h in tr.history}, "samples": samples,
+                "params": full_params(tr.model)}
+
+
 def split_cases(argv: list[str]) -> list[list[str]]:
-    cases, current = [], None
+    cases = []
     for a in argv:
         if a == "--":
-            current = []
-            cases.append(current)
+            cases.append([])
         else:
-            current.append(a)
+            cases[-1].append(a)
     return cases
 
 
 if __name__ == "__main__":
-    out, steps = sys.argv[1], int(sys.argv[2])
-    results = [run_case(case, steps) for case in split_cases(sys.argv[3:])]
-    if torch.distributed.get_rank() == 0:
+    out, steps, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    run = {"grads": run_grads, "train": run_train}[mode]
+    results = [run(case, steps) for case in split_cases(sys.argv[4:])]
+    if dist.get_rank() == 0:
         torch.save(results, out)
-    torch.distributed.destroy_process_group()
+    dist.destroy_process_group()

@@ -42,7 +42,8 @@ def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
     return read_metrics(dump)
 
 
-def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, timeout: int = 600) -> list[dict]:
+def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, mode: str = "grads",
+              timeout: int = 600) -> list[dict]:
     """Several training cases in ONE torchrun launch (start-up dominates); see tests/dist_worker.py."""
     import torch
 
@@ -50,7 +51,7 @@ def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, tim
     flat = [a for case in cases for a in ("--", *case)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "dist_worker.py"), str(out), str(steps), *flat]
+           str(ROOT / "tests" / "dist_worker.py"), str(out), str(steps), mode, *flat]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out)

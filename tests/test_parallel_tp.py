@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.dist_worker import run_case
+from tests.dist_worker import run_grads
 from tests.launch import assert_matches, run_cases
 
 TOL = 1e-5
@@ -11,7 +11,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_case(["--training.local_batch_size", "8"], STEPS)
+    return run_grads(["--training.local_batch_size", "8"], STEPS)
 
 
 def test_tp2_with_and_without_loss_parallel(tmp_path, reference):

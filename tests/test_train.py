@@ -35,4 +35,4 @@ def test_non_finite_loss_stops_with_step(tmp_path, capsys):
                  "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0",
                  "--job.dump_folder", str(tmp_path)])
     assert code == 1
-    assert "tessera: step 2: non-finite loss" in capsys.readouterr().out
+    assert "tessera: step 2: non-finite loss" in capsys.readouterr().err

@@ -94,6 +94,9 @@ class Metrics:
     enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
 
 
+LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
+
+
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save and auto-resume DCP checkpoints")
@@ -109,7 +112,7 @@ class Checkpoint:
     last_save_in_hf: bool = opt(False, "final save in Hugging Face safetensors")
     export_dtype: str = opt("float32", "dtype of model-only saves", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit (one process)")
-    exclude_from_loading: list[str] = opt([], "state keys not to load, e.g. optimizer,dataloader")
+    exclude_from_loading: list[str] = opt([], "parts not to load: optimizer, train_state, lr_scheduler, dataloader, rng")
     enable_first_step_checkpoint: bool = opt(False, "also save after step 1")
 
 

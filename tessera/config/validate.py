@@ -4,7 +4,7 @@ import glob
 import os
 
 from tessera.config.manager import ConfigError
-from tessera.config.sections import JobConfig
+from tessera.config.sections import LOADABLE_PARTS, JobConfig
 from tessera.models import FAMILIES, flavors, takes_tokenizer_vocab
 from tessera.parallel.dims import ParallelDims
 
@@ -13,7 +13,6 @@ _NOT_YET = {
     "parallelism.pipeline_parallel_degree": lambda c: c.parallelism.pipeline_parallel_degree > 1,
     "parallelism.context_parallel_degree": lambda c: c.parallelism.context_parallel_degree > 1,
     "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
-    "checkpoint.enable": lambda c: c.checkpoint.enable,
     "model.converters": lambda c: bool(c.model.converters),
     "training.enable_cpu_offload": lambda c: c.training.enable_cpu_offload,
 }
@@ -47,6 +46,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
     if dims.tp > 1:
         _check_tp(cfg, dims.tp)
+    _check_checkpoint(cfg, world_size)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
         raise ConfigError(f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' is neither 'op' "
@@ -82,3 +82,19 @@ def check_vocab(cfg: JobConfig, vocab_size: int, tp: int) -> None:
 def _has_cuda() -> bool:
     import shutil
     return shutil.which("nvidia-smi") is not None
+
+
+def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
+    c = cfg.checkpoint
+    if c.create_seed_checkpoint and (world_size != 1 or not c.enable):
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it on one process (NGPU=1) with "
+                          "checkpoint.enable = true; every layout can then load its step 0")
+    if c.async_mode == "async_with_pinned_mem" and not _has_cuda():
+        raise ConfigError("checkpoint.async_mode: async_with_pinned_mem needs a CUDA device to pin memory for; "
+                          "use 'async' here")
+    if c.initial_load_path and not os.path.exists(c.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path: no such folder '{c.initial_load_path}'")
+    bad = set(c.exclude_from_loading) - set(LOADABLE_PARTS)
+    if bad:
+        raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
+                          f"{', '.join(LOADABLE_PARTS)}")

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save/resume (manager.py) and Hugging Face safetensors interop (hf.py)."""

@@ -1,0 +1,168 @@
+"""Checkpoints: exact and elastic resume, fault tolerance, corruption, async, retention, seed, exports."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.dist_worker import BASE, run_train
+from tests.launch import ROOT, run_cases
+
+STEPS = 12
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+
+
+def _resume_copy(src, dst, keep_through: int):
+    """A copy of a finished run's dump folder that holds only checkpoints up to `keep_through`."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst / "checkpoint"):
+        if int(name.split("-")[1]) > keep_through:
+            shutil.rmtree(dst / "checkpoint" / name)
+    return dst
+
+
+def _params_equal(a: dict, b: dict, tol: float = 0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
+
+
+def _export(path) -> dict:
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def test_exact_resume_single_process(tmp_path):
+    full = run_train(["--job.dump_folder", str(tmp_path / "full"), *CKPT], STEPS)
+    resumed = run_train(["--job.dump_folder", str(_resume_copy(tmp_path / "full", tmp_path / "r", 4)), *CKPT], STEPS)
+    assert resumed["start"] == 4
+    assert [resumed["losses"][s] for s in range(5, STEPS + 1)] == [full["losses"][s] for s in range(5, STEPS + 1)]
+    _params_equal(resumed["params"], full["params"])  # bit for bit
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """A 2-rank FSDP run with checkpoints every 4 steps: the source of the resume tests below."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT]],
+                       STEPS, mode="train")
+    return tmp / "run", res
+
+
+def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_run):
+    src, full = two_rank_run
+    same = ["--job.dump_folder", str(_resume_copy(src, tmp_path / "r2", 4)), "--training.local_batch_size", "4", *CKPT]
+    (exact,) = run_cases(2, tmp_path, [same], STEPS, mode="train")
+    one = run_train(["--job.dump_folder", str(_resume_copy(src, tmp_path / "r1", 4)),
+                     "--training.local_batch_size", "8", *CKPT], STEPS)
+    (four,) = run_cases(4, tmp_path, [["--job.dump_folder", str(_resume_copy(src, tmp_path / "r4", 4)),
+                                       "--training.local_batch_size", "2", *CKPT]], STEPS, mode="train")
+    later = range(5, STEPS + 1)
+    assert exact["start"] == one["start"] == four["start"] == 4
+    assert [exact["losses"][s] for s in later] == [full["losses"][s] for s in later]
+    _params_equal(exact["params"], full["params"])
+    for run in (one, four):  # another reduction order: equal to fp32 rounding
+        for s in later:
+            assert abs(run["losses"][s] - full["losses"][s]) < 1e-5
+        _params_equal(run["params"], full["params"], tol=1e-5)
+        # The data continues exactly: each step sees the same samples, none twice, none skipped.
+        for s in later:
+            assert sorted(run["samples"][s]) == sorted(full["samples"][s])
+        seen = [i for s in later for i in run["samples"][s]]
+        assert len(seen) == len(set(seen)) == 8 * len(later)
+
+
+def _torchrun_train(dump, *extra, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tessera.train",
+           *BASE, "--training.steps", str(STEPS), "--training.local_batch_size", "4", "--job.dump_folder", str(dump),
+           "--checkpoint.enable", "--checkpoint.interval", "3", *extra]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})},
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def test_sigkill_at_random_step_and_during_save_then_relaunch(tmp_path):
+    ref = _torchrun_train(tmp_path / "ref")
+    assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
+    kill_at = int(torch.randint(4, STEPS, ()).item())
+    run = _torchrun_train(tmp_path / "run")
+    for line in run.stdout:  # SIGKILL the whole job once it logs step `kill_at`
+        if f"step {kill_at:>2}/{STEPS}" in line:
+            os.killpg(run.pid, signal.SIGKILL)
+            break
+    run.wait(timeout=60)
+    crash = _torchrun_train(tmp_path / "run", env={"TESSERA_FAULT_KILL_BEFORE_MARKER": "9"})
+    out = crash.stdout.read()
+    assert crash.wait(timeout=300) != 0 and not (tmp_path / "run/checkpoint/step-9/.complete").exists(), out[-2000:]
+    again = _torchrun_train(tmp_path / "run")
+    out = again.stdout.read()
+    assert again.wait(timeout=300) == 0, out[-3000:]
+    assert "skipping checkpoint step 9" in out and "resumed from checkpoint step 6" in out
+    _params_equal(_export(tmp_path / f"run/checkpoint/step-{STEPS}"), _export(tmp_path / f"ref/checkpoint/step-{STEPS}"))
+
+
+def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
+    from tessera.train import main
+
+    dump = tmp_path / "run"
+    run_train(["--job.dump_folder", str(dump), *CKPT, "--checkpoint.last_save_model_only=false"], 8)
+    shard = dump / "checkpoint/step-8/__0_0.distcp"
+    with open(shard, "r+b") as fh:
+        fh.truncate(os.path.getsize(shard) // 2)
+    code = main([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "8", "--checkpoint.load_step", "8"])
+    assert code == 2 and f"step 8 at {dump}/checkpoint/step-8 is not usable: {shard} has" in capsys.readouterr().err
+    resumed = run_train(["--job.dump_folder", str(_resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
+    assert resumed["start"] == 4  # fell back past the truncated step 8
+    os.remove(dump / "checkpoint/step-4/.metadata")
+    assert run_train(["--job.dump_folder", str(dump), *CKPT], 2)["start"] == 0  # nothing intact is left
+
+
+def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
+    for mode in ("disabled", "async"):
+        run_train(["--job.dump_folder", str(tmp_path / mode), *CKPT, "--checkpoint.async_mode", mode,
+                   "--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"], 8)
+        assert sorted(os.listdir(tmp_path / mode / "checkpoint")) == ["step-6", "step-8"]
+    sync, asyn = _export(tmp_path / "disabled/checkpoint/step-6"), _export(tmp_path / "async/checkpoint/step-6")
+    assert sync.keys() == asyn.keys() and "optimizer" in sync
+    flat = lambda d: {k: v for k, v in d["model"].items()}  # noqa: E731
+    _params_equal(flat(sync), flat(asyn))
+    metrics = [json.loads(x) for x in (tmp_path / "async/metrics.jsonl").read_text().splitlines()]
+    assert all("checkpoint_stall_s" in m for m in metrics if "loss" in m)
+
+
+def test_seed_checkpoint_loaded_by_two_ranks(tmp_path):
+    from tessera.train import main
+    seed_dir = tmp_path / "seed"
+    assert main([*BASE, "--job.dump_folder", str(seed_dir), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                 "--training.seed", "7"]) == 0
+    assert (seed_dir / "checkpoint/step-0/.complete").exists()
+    shutil.copytree(seed_dir, tmp_path / "one")
+    one = run_train(["--job.dump_folder", str(tmp_path / "one"), "--checkpoint.enable"], 3)
+    shutil.copytree(seed_dir, tmp_path / "two")
+    (two,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "two"), "--checkpoint.enable",
+                                      "--training.local_batch_size", "4"]], 3, mode="train")
+    fresh = run_train(["--job.dump_folder", str(tmp_path / "fresh")], 3)
+    assert all(abs(two["losses"][s] - one["losses"][s]) < 1e-5 for s in (1, 2, 3))
+    assert abs(fresh["losses"][1] - one["losses"][1]) > 1e-4  # the seed checkpoint, not a fresh init, was used
+
+
+def test_bf16_model_only_export_and_dcp_to_torch_cli(tmp_path):
+    dump = tmp_path / "run"
+    res = run_train(["--job.dump_folder", str(dump), *CKPT, "--checkpoint.export_dtype", "bfloat16"], 4)
+    out = tmp_path / "final.pt"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                           str(dump / "checkpoint/step-4"), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    saved = torch.load(out, weights_only=False)
+    assert set(saved) == {"model"}
+    for name, value in saved["model"].items():
+        assert value.dtype == torch.bfloat16
+        torch.testing.assert_close(value, res["params"][name].to(torch.bfloat16), rtol=0, atol=0)

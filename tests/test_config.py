@@ -1,0 +1,448 @@
+"""Config: defaults < TOML < CLI, every CLI form, one-line errors (exit 2, nothing written), --help, the dumped
+TOML, the shipped configs, and the launch paths that check a config before any rank starts."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
+from tessera.config.manager import _leaves
+from tessera.config.validate import _NOT_YET, validate
+from tests.launch import ROOT, torchrun
+
+CONFIGS = ROOT / "configs"
+LEAVES = {key: (owner, f) for key, owner, f in _leaves(JobConfig())}
+
+
+def get(cfg: JobConfig, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def config_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m tessera.config ...`: the torch-free check run_train.sh runs before launching."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "tessera.config", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessera: "), stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Precedence and types
+
+
+PRECEDENCE_TOML = """
+[job]
+description = "from toml"
+
+[optimizer]
+lr = 1e-3
+
+[lr_scheduler]
+decay_ratio = 0.3
+
+[training]
+steps = 20
+deterministic = true
+
+[validation]
+enable = true
+
+[compile]
+components = ["model"]
+
+[checkpoint]
+exclude_from_loading = ["optimizer"]
+
+[quantize.linear.float8]
+recipe_name = "rowwise"
+filter_fqns = ["output", "w1"]
+"""
+
+# key: (default, value in PRECEDENCE_TOML, CLI raw value, value after CLI)
+PRECEDENCE = {
+    "training.steps": (10000, 20, "30", 30),  # int
+    "optimizer.lr": (8e-4, 1e-3, "2e-3", 2e-3),  # float
+    "training.deterministic": (False, True, "false", False),  # bool
+    "job.description": ("", "from toml", "from cli", "from cli"),  # str
+    "compile.components": (["model", "loss"], ["model"], "loss, model", ["loss", "model"]),  # list
+    "checkpoint.exclude_from_loading": ([], ["optimizer"], "optimizer,dataloader", ["optimizer", "dataloader"]),
+    "lr_scheduler.decay_ratio": (None, 0.3, "none", None),  # Optional: TOML sets it, CLI clears it
+    "quantize.linear.float8.recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_with_gw_hp"),
+}
+
+
+def test_precedence_default_toml_cli(tmp_path):
+    toml = write(tmp_path / "c.toml", PRECEDENCE_TOML)
+    defaults = parse_args([])
+    from_toml = parse_args(["--job.config_file", toml])
+    cli = [x for key, (_, _, raw, _) in PRECEDENCE.items() for x in (f"--{key}", raw)]
+    # CLI wins over the file wherever --job.config_file sits in argv.
+    from_cli = parse_args([*cli[:4], "--job.config_file", toml, *cli[4:]])
+    for key, (default, in_toml, _, after_cli) in PRECEDENCE.items():
+        assert get(defaults, key) == default, key
+        assert get(from_toml, key) == in_toml, key
+        assert get(from_cli, key) == after_cli, key
+    # Keys set only in the file survive CLI overrides of other keys; untouched keys keep their defaults.
+    for cfg in (from_toml, from_cli):
+        assert cfg.validation.enable is True
+        assert cfg.quantize.linear.float8.filter_fqns == ["output", "w1"]
+        assert cfg.training.seq_len == 2048 and cfg.quantize.linear.mx.recipe_name == "mxfp8_cublas"
+        assert cfg.job.config_file == toml
+    assert isinstance(from_cli.training.steps, int) and isinstance(from_cli.optimizer.lr, float)
+    # An Optional set on the CLI only, and the last --job.config_file wins.
+    other = write(tmp_path / "d.toml", "[training]\nsteps = 7\n")
+    cfg = parse_args(["--job.config_file", toml, "--lr_scheduler.decay_ratio", "0.5", "--job.config_file", other])
+    assert cfg.lr_scheduler.decay_ratio == 0.5 and cfg.training.steps == 7 and cfg.job.config_file == other
+    assert cfg.validation.enable is False
+
+
+def test_toml_types_are_converted_or_refused(tmp_path):
+    ok = write(tmp_path / "ok.toml", '[optimizer]\nlr = 1\n[lr_scheduler]\ndecay_ratio = "none"\n')
+    cfg = parse_args(["--job.config_file", ok])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # TOML int -> float field
+    assert cfg.lr_scheduler.decay_ratio is None
+    for body, key in (("[training]\nsteps = 2.5", "training.steps"), ("[training]\nsteps = true", "training.steps"),
+                      ("[training]\ndeterministic = 1", "training.deterministic"),
+                      ("[compile]\ncomponents = [1]", "compile.components"),
+                      ("[job]\ndescription = 3", "job.description")):
+        path = write(tmp_path / "bad.toml", body + "\n")
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \(in {re.escape(path)}\): expected "):
+            parse_args(["--job.config_file", path])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI forms
+
+
+def test_cli_forms():
+    cfg = parse_args(["--training.steps", "5", "--training.seq_len=64", "--training.deterministic",
+                      "--validation.enable", "--metrics.enable_tensorboard"])
+    assert (cfg.training.steps, cfg.training.seq_len) == (5, 64)
+    # Bare bool followed by another flag, and bare bool at the very end of argv.
+    assert cfg.training.deterministic is True and cfg.validation.enable is True
+    assert cfg.metrics.enable_tensorboard is True
+
+    cfg = parse_args(["--training.deterministic", "--training.steps", "9"])
+    assert cfg.training.deterministic is True and cfg.training.steps == 9
+    assert parse_args(["--training.deterministic"]).training.deterministic is True
+
+    # Explicit booleans: =false, =true, and as a separate value (which is consumed, not a positional).
+    on = parse_args(["--checkpoint.initial_load_model_only=false", "--training.deterministic=true",
+                     "--validation.enable", "false", "--metrics.enable_wandb", "yes", "--training.steps", "3"])
+    assert on.checkpoint.initial_load_model_only is False and on.training.deterministic is True
+    assert on.validation.enable is False and on.metrics.enable_wandb is True and on.training.steps == 3
+    assert parse_args(["--training.deterministic", "--training.deterministic=FALSE"]).training.deterministic is False
+
+    # Lists, empty lists, values holding '=' or starting with '-', the last occurrence winning.
+    cfg = parse_args(["--compile.components", "model,loss", "--model.converters=", "--job.description=a=b",
+                      "--checkpoint.load_step", "-5", "--checkpoint.load_step=-7", "--optimizer.lr", "1e-2"])
+    assert cfg.compile.components == ["model", "loss"] and cfg.model.converters == []
+    assert cfg.job.description == "a=b" and cfg.checkpoint.load_step == -7 and cfg.optimizer.lr == 1e-2
+    assert parse_args(["--lr_scheduler.decay_ratio=0.25"]).lr_scheduler.decay_ratio == 0.25
+    assert parse_args(["--lr_scheduler.decay_ratio", "NONE"]).lr_scheduler.decay_ratio is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: one line naming the key (and file), exit 2, no dump folder
+
+
+BAD_TOML = {
+    "unknown_section": "[trainer]\nsteps = 3\n",
+    "unknown_nested_key": '[quantize.linear.float8]\nrecipe = "rowwise"\n',
+    "wrong_type": '[training]\nsteps = "many"\n',
+    "wrong_type_bool": "[training]\ndeterministic = 1\n",
+    "not_a_choice": '[activation_checkpoint]\nmode = "some"\n',
+    "below_min": "[optimizer]\nlr = -0.1\n",
+    "invalid": "[training\nsteps = 3\n",
+}
+
+# (id, args, world size, substrings of the message, also run tessera.train.main in-process at world size 1)
+# "{toml}" is a file holding BAD_TOML[id]; "{tmp}" the test's tmp folder.
+BAD = [
+    ("unknown_section", ["--trainer.steps", "3"], 1, ["unknown option 'trainer.steps' (on the command line)"], True),
+    ("unknown_section_toml", ["--job.config_file", "{toml}"], 1,
+     ["unknown option 'trainer.steps' (in {toml})"], True),
+    ("unknown_key", ["--training.stepz", "3"], 1,
+     ["unknown option 'training.stepz' (on the command line); did you mean 'training.steps'?"], True),
+    ("unknown_key_at_end", ["--training.stepz"], 1, ["did you mean 'training.steps'?"], True),
+    # A mistyped bool flag must be reported as such, not swallow the next flag as its value.
+    ("unknown_bool_key", ["--training.determinstic", "--training.steps", "3"], 1,
+     ["unknown option 'training.determinstic'", "did you mean 'training.deterministic'?"], True),
+    ("unknown_nested_key_toml", ["--job.config_file", "{toml}"], 1,
+     ["unknown option 'quantize.linear.float8.recipe' (in {toml}); "
+      "did you mean 'quantize.linear.float8.recipe_name'?"], True),
+    ("wrong_type_cli", ["--training.steps", "many"], 1,
+     ["training.steps (on the command line): expected an integer, got 'many'"], True),
+    ("wrong_type_cli_float", ["--optimizer.lr", "fast"], 1, ["optimizer.lr (on the command line): expected a number"],
+     True),
+    ("wrong_type_cli_optional", ["--lr_scheduler.decay_ratio", "half"], 1,
+     ["lr_scheduler.decay_ratio (on the command line): expected a number, got 'half'"], True),
+    ("wrong_type_cli_bool", ["--training.deterministic=maybe"], 1,
+     ["training.deterministic (on the command line): expected true or false, got 'maybe'"], True),
+    ("wrong_type_toml", ["--job.config_file", "{toml}"], 1, ["training.steps (in {toml}): expected an integer"], True),
+    ("wrong_type_bool_toml", ["--job.config_file", "{toml}"], 1,
+     ["training.deterministic (in {toml}): expected true or false"], True),
+    ("not_a_choice", ["--optimizer.name", "SGD"], 1,
+     ["optimizer.name (on the command line): 'SGD' is not one of AdamW, Adam"], True),
+    ("not_a_choice_toml", ["--job.config_file", "{toml}"], 1,
+     ["activation_checkpoint.mode (in {toml}): 'some' is not one of none, full, selective"], True),
+    ("below_min", ["--training.steps", "0"], 1, ["training.steps (on the command line): 0 is below the minimum 1"],
+     True),
+    ("below_min_optional", ["--lr_scheduler.decay_ratio", "-0.5"], 1,
+     ["lr_scheduler.decay_ratio (on the command line): -0.5 is below the minimum"], True),
+    ("below_min_toml", ["--job.config_file", "{toml}"], 1, ["optimizer.lr (in {toml}): -0.1 is below the minimum"],
+     True),
+    ("degrees", ["--parallelism.data_parallel_shard_degree", "3"], 4,
+     ["parallelism", "multiply to 3", "world size is 4", "data_parallel_shard_degree"], False),
+    ("degrees_replicate", ["--parallelism.data_parallel_replicate_degree", "3"], 4,
+     ["parallelism", "does not divide the world size 4"], False),
+    ("global_batch", ["--training.local_batch_size", "4", "--training.global_batch_size", "12"], 2,
+     ["training.global_batch_size: 12 is not a multiple of", "4 x data-parallel degree 2 = 8"], False),
+    ("global_batch_small", ["--training.local_batch_size", "4", "--training.global_batch_size", "2"], 1,
+     ["training.global_batch_size: 2 is not a multiple of"], True),
+    ("missing_config", ["--job.config_file", "{tmp}/nope.toml"], 1,
+     ["job.config_file: no such file '{tmp}/nope.toml'"], True),
+    ("invalid_toml", ["--job.config_file", "{toml}"], 1, ["job.config_file: '{toml}' is not valid TOML"], True),
+    ("missing_tokenizer", ["--model.hf_assets_path", "{tmp}"], 1,
+     ["model.hf_assets_path: no tokenizer.json in '{tmp}'"], True),
+    ("dataset_path", ["--training.dataset", "files", "--training.dataset_path", "{tmp}/none*.txt"], 1,
+     ["training.dataset_path: nothing matches '{tmp}/none*.txt'"], True),
+    ("unknown_flavor", ["--model.flavor", "9B"], 1, ["model.flavor: '9B' is not a llama3 flavor", "debugmodel"],
+     True),
+    ("not_supported_yet", ["--parallelism.pipeline_parallel_degree", "2"], 2,
+     ["parallelism.pipeline_parallel_degree: not supported yet"], True),
+    ("positional", ["steps", "3"], 1, ["unexpected argument 'steps'"], True),
+    ("missing_value", ["--training.steps"], 1, ["training.steps", "missing value"], True),
+]
+
+# Enough to finish in a second should a check ever let the bad config through (the test then fails on the dump).
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "1", "--training.local_batch_size",
+        "2"]
+
+
+@pytest.mark.parametrize("case, args, world, expect, in_process", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_one_line_exit_2_no_dump(tmp_path, monkeypatch, capsys, case, args, world, expect, in_process):
+    fill = {"tmp": str(tmp_path)}
+    if case.removesuffix("_toml") in BAD_TOML:
+        fill["toml"] = write(tmp_path / "bad.toml", BAD_TOML[case.removesuffix("_toml")])
+    args = [a.format(**fill) for a in args]
+    dump = tmp_path / "dump"
+
+    proc = config_cli("--world-size", str(world), "--job.dump_folder", str(dump), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    line = one_error_line(proc.stderr)
+    for part in expect:
+        assert part.format(**fill) in line, line
+    assert not dump.exists()
+
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(["--job.dump_folder", str(dump), *args]), world)
+    assert line == f"tessera: {err.value}" and "\n" not in str(err.value)
+
+    if in_process:
+        from tessera.train import main
+
+        for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            monkeypatch.delenv(var, raising=False)
+        capsys.readouterr()
+        assert main([*TINY, "--job.dump_folder", str(dump), *args]) == 2
+        out, err_text = capsys.readouterr()
+        assert out == "" and err_text == line + "\n"
+        assert not dump.exists()
+
+
+# Every feature accepted by the config but not implemented yet is refused by name; skipped once it lands.
+NOT_YET_TRIGGERS = {
+    "parallelism.tensor_parallel_degree": ["--parallelism.tensor_parallel_degree", "2"],
+    "parallelism.pipeline_parallel_degree": ["--parallelism.pipeline_parallel_degree", "2"],
+    "parallelism.context_parallel_degree": ["--parallelism.context_parallel_degree", "2"],
+    "parallelism.expert_parallel_degree": ["--parallelism.expert_parallel_degree", "2"],
+    "checkpoint.enable": ["--checkpoint.enable"],
+    "model.converters": ["--model.converters", "quantize.linear.float8"],
+    "training.enable_cpu_offload": ["--training.enable_cpu_offload"],
+}
+
+
+@pytest.mark.parametrize("key", NOT_YET_TRIGGERS)
+def test_not_yet_supported_is_refused_by_name(key):
+    if key not in _NOT_YET:
+        pytest.skip(f"{key} is implemented now")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: not supported yet"):
+        validate(parse_args(["--model.flavor", "tiny", *NOT_YET_TRIGGERS[key]]), 2)
+
+
+def test_bad_config_under_torchrun_one_message_no_dump(tmp_path):
+    dump = tmp_path / "dump"
+    proc = torchrun(2, *TINY, "--job.dump_folder", str(dump), "--parallelism.data_parallel_shard_degree", "3",
+                    timeout=240)
+    assert proc.returncode != 0
+    both = proc.stdout + proc.stderr
+    lines = [x for x in both.splitlines() if x.startswith("tessera: ")]
+    assert len(lines) == 1, both[-3000:]  # rank 0 only
+    assert "parallelism: degrees multiply to 3" in lines[0] and "world size is 2" in lines[0]  # read from torchrun
+    assert f'File "{ROOT / "tessera"}' not in both  # no traceback from Tessera's code
+    assert not dump.exists()
+
+
+def test_run_train_sh_refuses_bad_flag_before_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "LOG_RANK")}
+    env.update(NGPU="2", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(ROOT / "run_train.sh"), "--training.stepz", "3"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    # scripts/env.sh may announce a first-time venv setup; nothing else may be printed.
+    lines = [x for x in proc.stderr.splitlines() if not x.startswith(("tessera: setting up", "tessera: reusing"))]
+    # torchrun would exit 1 and print the message once more from rank 0 (and log its own start-up).
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["tessera: unknown option 'training.stepz' (on the command line); did you mean 'training.steps'?"]
+    assert proc.stdout == ""
+    assert not (tmp_path / "outputs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help
+
+
+def check_help(text: str) -> None:
+    documented = {}
+    for line in text.splitlines():
+        m = re.match(r"^  --(\S+) +(.*)$", line)
+        if m:
+            assert m.group(1) not in documented, line
+            documented[m.group(1)] = m.group(2)
+    assert set(documented) == set(LEAVES)
+    for key, (owner, f) in LEAVES.items():
+        line = documented[key]
+        assert line.startswith(f.metadata["doc"]), (key, line)
+        assert f"(default: {getattr(owner, f.name)!r})" in line, (key, line)
+        if f.metadata["choices"]:
+            assert line.endswith("{" + "|".join(f.metadata["choices"]) + "}"), (key, line)
+    for section in ("[training]", "[quantize.linear.float8]", "[quantize.linear.mx]"):
+        assert section in text.splitlines()
+
+
+def test_help_lists_every_option(capsys):
+    check_help(help_text())
+    proc = config_cli("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    check_help(proc.stdout)
+    assert config_cli("--world-size", "2", "-h").stdout == proc.stdout
+
+    from tessera.train import main
+
+    capsys.readouterr()
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dumped TOML
+
+
+@pytest.mark.parametrize("changes", [
+    [],
+    ["--training.steps", "77", "--optimizer.lr", "1.5e-4", "--optimizer.eps", "1e-12", "--training.deterministic",
+     "--lr_scheduler.decay_ratio", "0.25", "--compile.components", "loss", "--model.converters",
+     "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.mx.filter_fqns",
+     "", "--checkpoint.initial_load_model_only=false", "--job.description", 'quote " and \\ and ü',
+     "--checkpoint.load_step", "-3"],
+], ids=["defaults", "changed"])
+def test_to_toml_round_trips(tmp_path, changes):
+    cfg = parse_args(changes)
+    text = to_toml(cfg)
+    table = tomllib.loads(text)
+    assert "float8" in table["quantize"]["linear"]
+    dumped = write(tmp_path / "config.toml", text)
+    again = parse_args(["--job.config_file", dumped])
+    assert again == dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=dumped))
+    if changes:
+        assert again != JobConfig() and again.lr_scheduler.decay_ratio == 0.25 and again.model.converters
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shipped configs
+
+
+def flatten(table: dict, prefix: str = ""):
+    for k, v in table.items():
+        if isinstance(v, dict):
+            yield from flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
+
+
+def test_shipped_configs_exist():
+    assert {"llama3_debug.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_parses(name):
+    path = str(CONFIGS / name)
+    cfg = parse_args(["--job.config_file", path])
+    with open(path, "rb") as fh:
+        for key, value in flatten(tomllib.load(fh)):
+            assert get(cfg, key) == value, key
+
+
+def test_debug_config_validates_at_world_size_2():
+    dims = validate(parse_args(["--job.config_file", str(CONFIGS / "llama3_debug.toml")]), 2)
+    assert (dims.dp_shard, dims.dp_replicate, dims.tp, dims.world_size) == (2, 1, 1, 2)
+    proc = config_cli("--world-size", "2", "--job.config_file", str(CONFIGS / "llama3_debug.toml"))
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+def test_8b_config_validates_at_world_size_8_with_tokenizer(tmp_path):
+    path = str(CONFIGS / "llama3_8b.toml")
+    cfg = parse_args(["--job.config_file", path])
+    if not os.path.isfile(os.path.join(cfg.model.hf_assets_path, "tokenizer.json")):
+        with pytest.raises(ConfigError, match=r"^model\.hf_assets_path: no tokenizer\.json"):
+            validate(cfg, 8)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    dims = validate(parse_args(["--job.config_file", path, "--model.hf_assets_path", str(tmp_path)]), 8)
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == (8, 1, 1, 8)
+
+
+# Parallelisms each big config needs beyond FSDP. While one of them is still refused (listed in validate._NOT_YET)
+# the config must be refused at its world size naming it; once all have landed, the same test requires the config
+# to validate with exactly the degrees its TOML sets. Nothing to flip by hand when TP/PP land.
+BIG = {
+    "llama3_70b.toml": (256, ("parallelism.tensor_parallel_degree",)),
+    "llama3_405b.toml": (512, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")),
+}
+
+
+@pytest.mark.parametrize("name", BIG)
+def test_big_configs_at_their_world_size(tmp_path, name):
+    world, needs = BIG[name]
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = parse_args(["--job.config_file", str(CONFIGS / name), "--model.hf_assets_path", str(tmp_path)])
+    pending = [key for key in _NOT_YET if key in needs]
+    if pending:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(pending[0])}: not supported yet"):
+            validate(cfg, world)
+        return
+    p = cfg.parallelism
+    dims = validate(cfg, world)
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == \
+        (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world)
