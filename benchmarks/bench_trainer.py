@@ -159,6 +159,7 @@ def main() -> None:
         res[name] = {"tokens_per_s": med, "rounds_tokens_per_s": tps[name], "mfu": med * fpt / peak,
                      "loss_after_round_1": losses[name]}
     res["tessera_over_plain"] = res["tessera"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    res["loss_gap_round_1"] = abs(losses["tessera"] - losses["plain"])  # ~0 when both take the same steps
 
     print(f"\n{device.type}, {res['threads']} threads; llama3 {a.flavor} ({res['params'] / 1e6:.2f}M params), "
           f"seq {a.seq_len} x batch {a.local_batch_size}, {a.steps} steps after {a.warmup}, median of {a.rounds} rounds")
@@ -168,6 +169,7 @@ def main() -> None:
         r = res[name]
         print(f"  {name:<20} {r['tokens_per_s']:>10,.0f} {r['mfu']:>7.1%}  {r['loss_after_round_1']:>8.4f}")
     print(f"  tessera / plain      {res['tessera_over_plain']:>10.3f}  (target >= 1.0)")
+    print(f"  loss gap, round 1    {res['loss_gap_round_1']:>10.2e}  (same weights, data, lr: expect ~0)")
 
     if a.fsdp:
         if cuda and torch.cuda.device_count() < 2:

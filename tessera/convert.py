@@ -12,6 +12,7 @@ tokenizer's vocab take the checkpoint's embedding rows instead.
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tessera import models
 from tessera.checkpoint.hf import HFError, adapter, hf_folder, load_hf, save_hf
+from tessera.checkpoint.manager import write_marker
 from tessera.config import ConfigError, parse_args, to_toml
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,7 +113,8 @@ def hf_to_dcp(src: Path, dst: Path, opts) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": state}, checkpoint_id=str(dst))
     (dst / "config.toml").write_text(to_toml(cfg))
-    (dst / ".complete").touch()
+    step = re.fullmatch(r"step-(\d+)", dst.name)
+    write_marker(str(dst), int(step.group(1)) if step else 0, "model")  # what the trainer's loader checks
 
 
 def dcp_to_torch(src: Path, dst: Path, opts) -> None:
@@ -123,7 +126,8 @@ def dcp_to_torch(src: Path, dst: Path, opts) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tessera.convert", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tessera.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("dcp-to-hf", "hf-to-dcp", "dcp-to-torch"))
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,12 @@ def assert_matches(got: dict, ref: dict, tol: float) -> None:
     assert got["grads"].keys() == ref["grads"].keys()
     for name, g in got["grads"].items():
         torch.testing.assert_close(g, ref["grads"][name], rtol=tol, atol=tol, msg=lambda m: f"grad {name}: {m}")
+
+
+def resume_copy(src, dst, keep_through: int):
+    """A copy of a finished run's dump folder that holds only checkpoints up to `keep_through`."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst / "checkpoint"):
+        if int(name.split("-")[1]) > keep_through:
+            shutil.rmtree(dst / "checkpoint" / name)
+    return dst

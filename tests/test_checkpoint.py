@@ -13,19 +13,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.dist_worker import BASE, run_train
-from tests.launch import ROOT, run_cases
+from tests.launch import ROOT, resume_copy, run_cases
 
 STEPS = 12
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
-
-
-def _resume_copy(src, dst, keep_through: int):
-    """A copy of a finished run's dump folder that holds only checkpoints up to `keep_through`."""
-    shutil.copytree(src, dst)
-    for name in os.listdir(dst / "checkpoint"):
-        if int(name.split("-")[1]) > keep_through:
-            shutil.rmtree(dst / "checkpoint" / name)
-    return dst
 
 
 def _params_equal(a: dict, b: dict, tol: float = 0.0):
@@ -42,7 +33,7 @@ def _export(path) -> dict:
 
 def test_exact_resume_single_process(tmp_path):
     full = run_train(["--job.dump_folder", str(tmp_path / "full"), *CKPT], STEPS)
-    resumed = run_train(["--job.dump_folder", str(_resume_copy(tmp_path / "full", tmp_path / "r", 4)), *CKPT], STEPS)
+    resumed = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "full", tmp_path / "r", 4)), *CKPT], STEPS)
     assert resumed["start"] == 4
     assert [resumed["losses"][s] for s in range(5, STEPS + 1)] == [full["losses"][s] for s in range(5, STEPS + 1)]
     _params_equal(resumed["params"], full["params"])  # bit for bit
@@ -59,11 +50,11 @@ def two_rank_run(tmp_path_factory):
 
 def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_run):
     src, full = two_rank_run
-    same = ["--job.dump_folder", str(_resume_copy(src, tmp_path / "r2", 4)), "--training.local_batch_size", "4", *CKPT]
+    same = ["--job.dump_folder", str(resume_copy(src, tmp_path / "r2", 4)), "--training.local_batch_size", "4", *CKPT]
     (exact,) = run_cases(2, tmp_path, [same], STEPS, mode="train")
-    one = run_train(["--job.dump_folder", str(_resume_copy(src, tmp_path / "r1", 4)),
+    one = run_train(["--job.dump_folder", str(resume_copy(src, tmp_path / "r1", 4)),
                      "--training.local_batch_size", "8", *CKPT], STEPS)
-    (four,) = run_cases(4, tmp_path, [["--job.dump_folder", str(_resume_copy(src, tmp_path / "r4", 4)),
+    (four,) = run_cases(4, tmp_path, [["--job.dump_folder", str(resume_copy(src, tmp_path / "r4", 4)),
                                        "--training.local_batch_size", "2", *CKPT]], STEPS, mode="train")
     later = range(5, STEPS + 1)
     assert exact["start"] == one["start"] == four["start"] == 4
@@ -85,20 +76,41 @@ def _torchrun_train(dump, *extra, env=None):
            *BASE, "--training.steps", str(STEPS), "--training.local_batch_size", "4", "--job.dump_folder", str(dump),
            "--checkpoint.enable", "--checkpoint.interval", "3", *extra]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})},
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun puts its workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    stack, tree = [pid], []
+    while stack:
+        tree.append(stack.pop())
+        stack.extend(children.get(tree[-1], []))
+    for p in reversed(tree):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_sigkill_at_random_step_and_during_save_then_relaunch(tmp_path):
     ref = _torchrun_train(tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
-    kill_at = int(torch.randint(4, STEPS, ()).item())
+    kill_at = int(torch.randint(4, 9, ()).item())  # before the step-9 save the second crash interrupts
     run = _torchrun_train(tmp_path / "run")
     for line in run.stdout:  # SIGKILL the whole job once it logs step `kill_at`
         if f"step {kill_at:>2}/{STEPS}" in line:
-            os.killpg(run.pid, signal.SIGKILL)
+            _kill_tree(run.pid)
             break
-    run.wait(timeout=60)
+    assert run.wait(timeout=60) != 0 and not (tmp_path / f"run/checkpoint/step-{STEPS}").exists()
     crash = _torchrun_train(tmp_path / "run", env={"TESSERA_FAULT_KILL_BEFORE_MARKER": "9"})
     out = crash.stdout.read()
     assert crash.wait(timeout=300) != 0 and not (tmp_path / "run/checkpoint/step-9/.complete").exists(), out[-2000:]
@@ -119,7 +131,7 @@ def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
         fh.truncate(os.path.getsize(shard) // 2)
     code = main([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "8", "--checkpoint.load_step", "8"])
     assert code == 2 and f"step 8 at {dump}/checkpoint/step-8 is not usable: {shard} has" in capsys.readouterr().err
-    resumed = run_train(["--job.dump_folder", str(_resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
+    resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
     assert resumed["start"] == 4  # fell back past the truncated step 8
     os.remove(dump / "checkpoint/step-4/.metadata")
     assert run_train(["--job.dump_folder", str(dump), *CKPT], 2)["start"] == 0  # nothing intact is left

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TOKENS = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
 CASES = {"gqa": {}, "tied": dict(tie_embeddings=True), "mha": dict(n_kv_heads=4),
-         "rope_llama3": dict(rope_original_max_pos=16, rope_scaling_factor=4.0), "no_rope_scaling": dict(rope_scaling_factor=0.0)}
+         "rope_llama3": dict(rope_original_max_pos=16, rope_scaling_factor=4.0),
+         "no_rope_scaling": dict(rope_scaling_factor=0.0)}
 
 
 def _args(**kw):
@@ -119,7 +121,7 @@ def test_save_hf_sharded_and_bf16_round_trip(tmp_path):
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
-def test_load_hf_errors_name_the_problem(tmp_path):
+def test_load_hf_errors_name_the_problem(tmp_path, caplog):
     args = _args()
     with pytest.raises(HFError, match="no such file or folder .*nowhere"):
         load_hf(_ours(args, seed=None), tmp_path / "nowhere")
@@ -145,6 +147,18 @@ def test_load_hf_errors_name_the_problem(tmp_path):
     # A pipeline stage holding layers 0-1 takes what it has.
     load_hf(_ours(args, seed=None), tmp_path / "three", strict=False)
 
+    # Settings that shapes cannot show are compared with config.json: a warning names each difference.
+    config = json.loads((tmp_path / "v97" / "config.json").read_text())
+    (tmp_path / "v97" / "config.json").write_text(json.dumps({**config, "rope_theta": 1e4, "rms_norm_eps": 1e-6,
+                                                               "rope_parameters": {"rope_type": "default"}}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tessera.checkpoint.hf"):
+        load_hf(_ours(args, seed=None), tmp_path / "v97")
+    assert [r.getMessage() for r in caplog.records if r.name == "tessera.checkpoint.hf"] == [
+        f"{tmp_path / 'v97' / 'config.json'}: {d}; the weights load, but the model may compute differently"
+        for d in ("rms_norm_eps=1e-06 (ours 1e-05)", "rope rope_type='default' (ours 'llama3')",
+                  "rope rope_theta=10000.0 (ours 500000.0)")]
+
     from safetensors.torch import save_file
     (tmp_path / "odd").mkdir()
     save_file({"model.embed_tokens.weight": torch.zeros(97, 64), "vision_tower.proj": torch.zeros(2)},
@@ -157,17 +171,20 @@ def test_load_hf_errors_name_the_problem(tmp_path):
 
 
 def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
-    """What the trainer writes: nested model / optimizer / train state, config.toml and .complete beside it."""
+    """What the trainer writes: nested model / optimizer / train state, config.toml and the .complete marker."""
     import torch.distributed.checkpoint as dcp
 
+    from tessera.checkpoint.manager import write_marker
     from tessera.config import parse_args, to_toml
 
     state = {"model": ours.state_dict(), "optimizer": {"state": {"norm.weight": {"exp_avg": torch.ones(64)}}},
              "train": {"step": 3}}
-    dcp.save(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # "... assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
     cfg = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32"])
     (path / "config.toml").write_text(to_toml(cfg))
-    (path / ".complete").touch()
+    write_marker(str(path), 3, "full")
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
@@ -178,27 +195,32 @@ def test_convert_cli_round_trip(tmp_path):
     ours = _ours(_args())
     ckpt, hf, back, pt = tmp_path / "step-3", tmp_path / "hf", tmp_path / "step-0", tmp_path / "model.pt"
     _tessera_checkpoint(ckpt, ours)
-    # One interpreter for the three conversions (start-up dominates); each is `python -m tessera.convert ...`.
-    script = ("import sys, runpy\n"
-              "for argv in [['dcp-to-hf', sys.argv[1], sys.argv[2]], ['hf-to-dcp', sys.argv[2], sys.argv[3]],"
-              " ['dcp-to-torch', sys.argv[3], sys.argv[4]]]:\n"
-              "    sys.argv = ['tessera.convert', *argv]\n"
-              "    try:\n        runpy.run_module('tessera.convert', run_name='__main__')\n"
-              "    except SystemExit as e:\n        assert not e.code, e.code\n")
-    proc = _run("-c", script, str(ckpt), str(hf), str(back), str(pt))
+    # One interpreter runs `python -m tessera.convert ...` three times, then torch's own converter on our
+    # checkpoint: start-up dominates.
+    runs = [["tessera.convert", "dcp-to-hf", str(ckpt), str(hf)], ["tessera.convert", "hf-to-dcp", str(hf), str(back)],
+            ["tessera.convert", "dcp-to-torch", str(back), str(pt)],
+            ["torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(ckpt), str(tmp_path / "t.pt")]]
+    script = ("import json, runpy, sys\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    sys.argv = argv\n"
+              "    try:\n        runpy.run_module(argv[0], run_name='__main__', alter_sys=True)\n"
+              "    except SystemExit as e:\n        assert not e.code, (argv, e.code)\n")
+    proc = _run("-c", script, json.dumps(runs))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     config = json.loads((hf / "config.json").read_text())
     assert config["vocab_size"] == 97 and config["max_position_embeddings"] == 32  # from the checkpoint
     _assert_same_logits(ours, _pretrained(hf))
     # hf-to-dcp found the flavor from config.json and wrote a model-only Tessera checkpoint.
-    assert "flavor = \"tiny\"" in (back / "config.toml").read_text() and (back / ".complete").is_file()
+    assert "flavor = \"tiny\"" in (back / "config.toml").read_text()
+    from tessera.checkpoint.manager import read_marker, verify
+    marker = read_marker(str(back))
+    assert marker["kind"] == "model" and marker["step"] == 0 and "config.toml" in marker["files"]
+    verify(str(back), marker)
     saved = torch.load(pt, weights_only=True)
     assert saved.keys() == {"model"} and saved["model"].keys() == ours.state_dict().keys()
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(saved["model"][name], value, rtol=0, atol=0)
-    # torch's own converter reads our checkpoint too.
-    proc = _run("-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(ckpt), str(tmp_path / "t.pt"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # torch's own converter read our checkpoint too.
     full = torch.load(tmp_path / "t.pt", weights_only=True)
     torch.testing.assert_close(full["model"]["layers.1.attention.wk.weight"],
                                ours.state_dict()["layers.1.attention.wk.weight"], rtol=0, atol=0)
@@ -218,12 +240,12 @@ def test_convert_cli_bad_input(tmp_path, capsys):
 
     assert "no such file or folder" in error("dcp-to-hf", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert "is not a DCP checkpoint (no .metadata)" in error("dcp-to-hf", str(tmp_path), str(tmp_path / "out"))
-    assert "no *.safetensors files" in error("hf-to-dcp", str(tmp_path), str(tmp_path / "out"), "--model.flavor", "tiny")
+    assert "no *.safetensors files" in error("hf-to-dcp", str(tmp_path), str(tmp_path / "o"), "--model.flavor", "tiny")
     ckpt = tmp_path / "step-1"
     _tessera_checkpoint(ckpt, _ours(_args()))
     msg = error("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--model.flavor", "debugmodel")
     assert "shape mismatch for 'model.tok_embeddings.weight'" in msg and "debugmodel" in msg
-    assert "unknown llama3 flavor 'huge'" in error("dcp-to-hf", str(ckpt), str(tmp_path / "o"), "--model.flavor", "huge")
+    assert "unknown llama3 flavor 'huge'" in error("dcp-to-hf", str(ckpt), str(tmp_path / "o"), "--model.flavor=huge")
     hf = tmp_path / "hf"
     save_hf(_ours(_args(dim=32, n_heads=2, n_kv_heads=1)).state_dict(), _args(dim=32, n_heads=2, n_kv_heads=1), hf)
     assert "no llama3 flavor matches" in error("hf-to-dcp", str(hf), str(tmp_path / "o"))
@@ -242,7 +264,8 @@ def test_download_patterns():
                                        "special_tokens_map.json"]
     assert patterns(["config"]) == ["config.json", "generation_config.json"]
     assert patterns(["safetensors"]) == ["*.safetensors", "model.safetensors.index.json"]
-    assert patterns(["config", "tokenizer", "config"]) == ["config.json", "generation_config.json", *patterns(["tokenizer"])]
+    assert patterns(["config", "tokenizer", "config"]) == ["config.json", "generation_config.json",
+                                                           *patterns(["tokenizer"])]
     with pytest.raises(ValueError, match="unknown asset 'weights'"):
         patterns(["weights"])
 

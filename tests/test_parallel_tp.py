@@ -1,9 +1,10 @@
 """Tensor parallel (+ sequence and loss parallel), alone and with FSDP / HSDP, equals one process."""
 
 import pytest
+import torch
 
 from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, resume_copy, run_cases
 
 TOL = 1e-5
 STEPS = 10
@@ -31,3 +32,22 @@ def test_hsdp_2x2_x_tp2(tmp_path, reference):
     (got,) = run_cases(8, tmp_path, [["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
                                       "--parallelism.data_parallel_replicate_degree", "2"]], STEPS)
     assert_matches(got, reference, TOL)
+
+
+def test_tp_checkpoint_resumes_under_fsdp_and_the_reverse(tmp_path):
+    tp = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
+    fsdp = ["--training.local_batch_size", "4"]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+    tp_run, fsdp_run = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "tp"), *tp, *ckpt],
+                                               ["--job.dump_folder", str(tmp_path / "fsdp"), *fsdp, *ckpt]],
+                                 8, mode="train")
+    to_fsdp, to_tp = run_cases(2, tmp_path, [
+        ["--job.dump_folder", str(resume_copy(tmp_path / "tp", tmp_path / "tp_to_fsdp", 4)), *fsdp, *ckpt],
+        ["--job.dump_folder", str(resume_copy(tmp_path / "fsdp", tmp_path / "fsdp_to_tp", 4)), *tp, *ckpt]],
+        8, mode="train")
+    for resumed, original in ((to_fsdp, tp_run), (to_tp, fsdp_run)):
+        assert resumed["start"] == 4
+        for step in range(5, 9):
+            assert abs(resumed["losses"][step] - original["losses"][step]) <= TOL
+        for name, value in resumed["params"].items():
+            torch.testing.assert_close(value, original["params"][name], rtol=TOL, atol=TOL)

@@ -7,6 +7,7 @@ its own shards) or in one process without a process group.
 
 import importlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # as transformers' save_pretrained
 
@@ -80,7 +82,7 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     if _rank0():
         shutil.rmtree(out / "sharded", ignore_errors=True)
         config = hf.hf_config(args)
-        config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        config["torch_dtype"] = config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _barrier()
 
@@ -103,6 +105,24 @@ def hf_folder(path: str | os.PathLike) -> Path:
         if extra:
             raise HFError(f"'{folder / extra[0]}' is not listed in {INDEX}; remove it")
     return folder
+
+
+def config_differences(folder: Path, ours: dict) -> list[str]:
+    """Settings in folder/config.json that differ from `ours` (the family's hf_config) but shapes cannot show."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return []
+    theirs = json.loads(path.read_text())
+    skip = {"architectures", "torch_dtype", "dtype", "max_position_embeddings", "vocab_size", "rope_theta"}
+    out = [f"{k}={theirs[k]!r} (ours {v!r})" for k, v in ours.items()
+           if k not in skip and isinstance(v, (int, float, str, bool)) and k in theirs and theirs[k] != v]
+    # transformers 5 keeps rope_theta inside rope_parameters; 4.x beside rope_scaling (null when unscaled).
+    rope = {"rope_type": "default", **({"rope_theta": theirs["rope_theta"]} if "rope_theta" in theirs else {}),
+            **(theirs.get("rope_parameters") or theirs.get("rope_scaling") or {})}
+    for k, v in (ours.get("rope_parameters") or {}).items():
+        if rope.get(k, v) != v:
+            out.append(f"rope {k}={rope[k]!r} (ours {v!r})")
+    return out
 
 
 @torch.no_grad()
@@ -136,6 +156,9 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str = "llama3", s
         unused = sorted(set(ours) - set(state))
         if unused:
             raise HFError(f"unexpected tensor '{ours[unused[0]]}' in '{folder}': the model has no {unused[0]}")
+    if _rank0():
+        for diff in config_differences(folder, hf.hf_config(args)):
+            log.warning(f"{folder / 'config.json'}: {diff}; the weights load, but the model may compute differently")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({ours[k]: v for k, v in state.items()}, storage_reader=reader)
