@@ -44,13 +44,16 @@ def _describe(tp) -> str:
             type(None): "none", list[str]: "a comma-separated list"}.get(tp, str(tp))
 
 
-def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Convert a TOML value or CLI string to `tp`, or raise ConfigError naming the key."""
+def _convert(value: Any, tp: Any, key: str, where: str, from_cli: bool) -> Any:
+    """Convert a TOML value (typed) or CLI string to `tp`, or raise ConfigError naming the key."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if isinstance(value, str) and value.lower() in ("none", "null"):  # TOML has no null
             return None
-        return _convert(value, next(a for a in typing.get_args(tp) if a is not type(None)), key, where)
-    from_cli = isinstance(value, str)
+        inner = next(a for a in typing.get_args(tp) if a is not type(None))
+        try:
+            return _convert(value, inner, key, where, from_cli)
+        except ConfigError:
+            raise ConfigError(f"{key}{where}: expected {_describe(tp)}, got {value!r}") from None
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -86,15 +89,15 @@ def _unknown(key: str, known, where: str) -> ConfigError:
     return ConfigError(f"unknown option '{key}'{where}{hint}")
 
 
-def _set(cfg: JobConfig, options, key: str, value: Any, where: str) -> None:
+def _set(cfg: JobConfig, options, key: str, value: Any, where: str, from_cli: bool) -> None:
     if key not in options:
         raise _unknown(key, options, where)
     owner, f = options[key]
-    value = _convert(value, _field_type(owner, f), key, where)
+    value = _convert(value, _field_type(owner, f), key, where, from_cli)
     choices, low = f.metadata.get("choices"), f.metadata.get("min")
     if choices and value not in choices:
         raise ConfigError(f"{key}{where}: {value!r} is not one of {', '.join(map(str, choices))}")
-    if low is not None and value is not None and value < low:
+    if low is not None and value is not None and not value >= low:  # `not >=` also refuses NaN
         raise ConfigError(f"{key}{where}: {value!r} is below the minimum {low}")
     setattr(owner, f.name, value)
 
@@ -147,9 +150,9 @@ def parse_args(argv: list[str]) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not valid TOML ({e})") from None
         for key, value in _flatten_toml(table):
-            _set(cfg, options, key, value, f" (in {path})")
+            _set(cfg, options, key, value, f" (in {path})", from_cli=False)
     for key, value in cli:
-        _set(cfg, options, key, value, " (on the command line)")
+        _set(cfg, options, key, value, " (on the command line)", from_cli=True)
     return cfg
 
 
@@ -181,6 +184,10 @@ def main(argv: list[str]) -> int:
 
     world_size = 1
     if argv[:1] == ["--world-size"]:
+        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print(f"tessera: --world-size: expected a positive integer (NGPU x nodes), got {argv[1:2]}",
+                  file=sys.stderr)
+            return 2
         world_size, argv = int(argv[1]), argv[2:]
     if "--help" in argv or "-h" in argv:
         print(help_text())
