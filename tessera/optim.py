@@ -12,8 +12,10 @@ from tessera.config.sections import LRScheduler, Optimizer
 def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
     impl = cfg.implementation
     if impl == "auto":
-        # Fused kernels win on accelerators; on CPU foreach is the tested fast path with DTensor params.
-        impl = "fused" if device.type != "cpu" else "foreach"
+        # Fused kernels win on accelerators; on CPU (including FSDP CPU offload's host-resident params)
+        # foreach is the tested fast path with DTensor params.
+        on_cpu = device.type == "cpu" or any(p.device.type == "cpu" for p in model.parameters())
+        impl = "foreach" if on_cpu else "fused"
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     return cls(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
@@ -42,13 +44,17 @@ def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Global L2 norm over every gradient, whatever its sharding; clips when max_norm > 0."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(norm, DTensor):
         # A norm of sharded grads is a partial result; full_tensor() reduces it over the mesh.
         norm = norm.full_tensor()
+    if pp_group is not None:  # each stage holds other parameters: add the squares
+        norm = norm**2
+        torch.distributed.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
     return norm

@@ -1,28 +1,21 @@
 """Entry point: `torchrun --nproc_per_node=N -m tessera.train --job.config_file FILE [--section.key VALUE ...]`."""
 
-import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from tessera import models
-from tessera.checkpoint.manager import Checkpointer, CorruptCheckpoint
-from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
-from tessera.config.validate import check_vocab, validate
-from tessera.data import build_dataloader, build_tokenizer
+from tessera.checkpoint.manager import CorruptCheckpoint
+from tessera.config import ConfigError, help_text, parse_args
+from tessera.config.validate import validate
 from tessera.distributed import World, init_world, shutdown, world_size_from_env
-from tessera.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_gib, setup_logging
-from tessera.models.llama3.model import num_params
-from tessera.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from tessera.parallel.init import materialize
+from tessera.metrics import peak_memory_gib, setup_logging
+from tessera.optim import clip_grad_norm_
 from tessera.parallel.tp import local, loss_context
+from tessera.trainer import Trainer, build_trainer, loss_fn
 
 log = logging.getLogger("tessera")
 
@@ -31,94 +24,40 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-@dataclass
-class Trainer:
-    cfg: JobConfig
-    world: World
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: object
-    val_loader: object | None
-    metrics: MetricsLogger
-    grad_accum: int
-    flops_per_token: float
-    peak_flops: float
-    autocast: contextlib.AbstractContextManager
-    loss_parallel: bool
-    model_args: object
-    checkpointer: Checkpointer
-    step: int = 0
-    tokens_seen: int = 0
-    history: list[dict] = field(default_factory=list)
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def build_model(cfg: JobConfig, world: World, vocab_size: int):
-    family = models.family(cfg.model.name)
-    args = dataclasses.replace(family.FLAVORS[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
-    if cfg.model.flavor in family.TAKES_TOKENIZER_VOCAB:
-        args = dataclasses.replace(args, vocab_size=vocab_size)
-    with torch.device("meta"):
-        model = family.Transformer(args)
-    model = family.parallelize(model, world, cfg)
-    materialize(model, world.device, cfg.training.seed)
-    return model.train(), args
-
-
-def set_determinism(cfg: JobConfig) -> None:
-    torch.manual_seed(cfg.training.seed)
-    if cfg.training.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-
-
-def build_trainer(cfg: JobConfig, world: World) -> Trainer:
-    set_determinism(cfg)
-    t = cfg.training
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-    check_vocab(cfg, tokenizer.vocab_size, world.dims.tp)
-    model, args = build_model(cfg, world, tokenizer.vocab_size)
-    optimizer = build_optimizer(model, cfg.optimizer, world.device)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp)
-    val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation") \
-        if cfg.validation.enable else None
-    per_step = t.local_batch_size * world.dims.dp
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_step
-    peak, peak_source = peak_flops(world.device)
-    mixed = world.dp_mesh() is None and cfg.training.mixed_precision_param == "bfloat16"
-    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
-    active = world.rank == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, t.steps, active=active, wandb=cfg.metrics.enable_wandb,
-                            tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
-                            if cfg.metrics.enable_tensorboard else None, config=None)
-    if active:
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-            fh.write(to_toml(cfg))
-    n_params = num_params(model)
-    log.info(f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {args.vocab_size}; "
-             f"{world.size} rank(s) on {world.device.type}, {world.dims}; grad accumulation {grad_accum}")
-    log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
-    fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
-                          t.seq_len)
-    loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
-    tr = Trainer(cfg, world, model, optimizer, scheduler, loader, val_loader, metrics, grad_accum, fpt, peak,
-                 autocast, loss_parallel, args, Checkpointer(cfg, world.rank))
-    tr.checkpointer.load(tr)
-    return tr
-
-
 def dp_mean(value: torch.Tensor, world: World) -> float:
     if world.dims.dp > 1:
         value = value.clone()
         dist.all_reduce(value, group=world.flat["dp"].get_group())
         value /= world.dims.dp
     return value.item()
+
+
+def forward_backward(tr: Trainer, inputs: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
+    """Loss of one micro-batch (divided by grad_accum when training), with its backward when training.
+    Under pipelining the schedule runs both; only the last stage sees the loss (others return 0)."""
+    pipe = tr.pipeline
+    with loss_context(tr.loss_parallel):
+        if pipe is None:
+            with tr.autocast:
+                # Micro-batches hold equal token counts, so the mean of means is the global mean.
+                loss = tr.loss_fn(tr.model(inputs), labels) / (tr.grad_accum if train else 1)
+            if train:
+                loss.backward()
+            return local(loss.detach())
+        losses = [] if pipe.last else None
+        run = pipe.schedule.step if train else pipe.schedule.eval
+        run(*([inputs] if pipe.first else []), target=labels if pipe.last else None, losses=losses)
+    if not losses:
+        return torch.zeros((), device=tr.world.device)
+    loss = local(torch.stack([local(x) for x in losses]).sum().detach())
+    return loss if train else loss * tr.grad_accum  # the schedule's loss_fn divides by grad_accum
+
+
+def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
+    """The last stage's loss, on every stage."""
+    if tr.pipeline is not None:
+        dist.all_reduce(value, group=tr.pipeline.group)
+    return value
 
 
 def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -130,17 +69,16 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
         inputs, labels = tr.loader.next_batch()
         inputs, labels = inputs.to(tr.world.device, non_blocking=True), labels.to(tr.world.device, non_blocking=True)
         data_s += time.perf_counter() - start
-        with loss_context(tr.loss_parallel):
-            with tr.autocast:
-                # Micro-batches hold equal token counts, so the mean of means is the global mean.
-                loss = loss_fn(tr.model(inputs), labels) / tr.grad_accum
-            loss.backward()
-        loss_total += local(loss.detach())
-    grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm)
+        loss_total += forward_backward(tr, inputs, labels)
+    loss_total = pp_share(loss_total, tr)
+    grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm,
+                                pp_group=tr.pipeline.group if tr.pipeline else None)
     if not torch.isfinite(loss_total + grad_norm).item():
         raise NonFiniteError(f"step {tr.step + 1}: non-finite loss {loss_total.item()} or grad norm "
                              f"{grad_norm.item()}; lower optimizer.lr, check the data, or raise warmup")
     tr.optimizer.step()
+    if tr.after_optimizer_step is not None:
+        tr.after_optimizer_step()
     tr.scheduler.step()
     return loss_total, grad_norm, data_s
 
@@ -152,10 +90,9 @@ def validate_loss(tr: Trainer) -> float:
     total = torch.zeros((), device=tr.world.device)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = (x.to(tr.world.device) for x in tr.val_loader.next_batch())
-        with tr.autocast, loss_context(tr.loss_parallel):
-            total += local(loss_fn(tr.model(inputs), labels))
+        total += forward_backward(tr, inputs, labels, train=False)
     tr.model.train()
-    return dp_mean(total / tr.cfg.validation.steps, tr.world)
+    return dp_mean(pp_share(total, tr) / tr.cfg.validation.steps, tr.world)
 
 
 def train(tr: Trainer) -> None:
@@ -163,8 +100,11 @@ def train(tr: Trainer) -> None:
     # Per device: TP/PP/CP ranks of one data-parallel replica share its tokens, so each counts once.
     tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
+    first_step = tr.step
     while tr.step < t.steps:
         loss, grad_norm, data_s = train_step(tr)
+        if tr.cfg.compile.enable and tr.step == first_step:
+            log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation included")
         tr.step += 1
         tr.tokens_seen += int(tokens_per_step * tr.world.size)
         window_data_s, window_steps = window_data_s + data_s, window_steps + 1

@@ -19,7 +19,8 @@ from tessera.config import parse_args
 from tessera.config.validate import validate
 from tessera.distributed import init_world, world_size_from_env
 from tessera.parallel.tp import local
-from tessera.train import build_trainer, dp_mean, train, train_step
+from tessera.train import dp_mean, train, train_step
+from tessera.trainer import build_trainer
 
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "2",
         "--optimizer.lr", "3e-3", "--training.deterministic", "--metrics.log_freq", "1"]
@@ -31,7 +32,13 @@ def _trainer(argv: list[str], steps: int, dump: str):
 
 
 def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
-    return {n: local(getattr(p, attr) if attr else p).detach().cpu().clone() for n, p in model.named_parameters()}
+    """Full tensors of every parameter (or its .grad) of the whole model, gathered over pipeline stages."""
+    mine = {n: local(getattr(p, attr) if attr else p).detach().cpu().clone() for n, p in model.named_parameters()}
+    if not dist.is_initialized():
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {n: t for part in everyone for n, t in part.items()}
 
 
 def run_grads(argv: list[str], steps: int) -> dict:
@@ -45,7 +52,7 @@ def run_grads(argv: list[str], steps: int) -> dict:
             if step == 0:
                 grads = full_params(tr.model, "grad")
         tr.metrics.close()
-    return {"losses": losses, "grads": grads}
+        return {"losses": losses, "grads": grads, "params": full_params(tr.model)}
 
 
 def run_train(argv: list[str], steps: int) -> dict:

@@ -58,15 +58,17 @@ def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, mod
     return torch.load(out)
 
 
-def assert_matches(got: dict, ref: dict, tol: float) -> None:
-    """Per-step losses and step-1 gradients equal the reference within `tol` (relative to max(1, |ref|))."""
+def assert_matches(got: dict, ref: dict, tol: float, what: tuple[str, ...] = ("grads",)) -> None:
+    """Per-step losses, and step-1 gradients and/or final parameters, equal the reference within `tol`
+    (relative to max(1, |ref|) for losses)."""
     import torch
 
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
         assert abs(a - b) <= tol * max(1.0, abs(b)), f"step {step + 1}: loss {a} vs reference {b}"
-    assert got["grads"].keys() == ref["grads"].keys()
-    for name, g in got["grads"].items():
-        torch.testing.assert_close(g, ref["grads"][name], rtol=tol, atol=tol, msg=lambda m: f"grad {name}: {m}")
+    for key in what:
+        assert got[key].keys() == ref[key].keys()
+        for name, g in got[key].items():
+            torch.testing.assert_close(g, ref[key][name], rtol=tol, atol=tol, msg=lambda m: f"{key} {name}: {m}")
 
 
 def resume_copy(src, dst, keep_through: int):

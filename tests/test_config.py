@@ -276,8 +276,6 @@ NOT_YET_TRIGGERS = {
     "parallelism.pipeline_parallel_degree": ["--parallelism.pipeline_parallel_degree", "2"],
     "parallelism.context_parallel_degree": ["--parallelism.context_parallel_degree", "2"],
     "parallelism.expert_parallel_degree": ["--parallelism.expert_parallel_degree", "2"],
-    "model.converters": ["--model.converters", "quantize.linear.float8"],
-    "training.enable_cpu_offload": ["--training.enable_cpu_offload"],
 }
 
 

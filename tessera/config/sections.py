@@ -4,6 +4,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
+LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
+
+
 def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None) -> Any:
     """A config field: its default, the one-line doc `--help` prints, and its valid range."""
     meta = {"doc": doc, "choices": choices, "min": min}
@@ -78,6 +83,16 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "replicas (HSDP when > 1 with sharding, DDP-like when shard = 1)", min=1)
     tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
+    pipeline_parallel_schedule: str = opt("1F1B", "pipeline schedule from torch.distributed.pipelining",
+                                          choices=PP_SCHEDULES)
+    pipeline_parallel_schedule_csv: str = opt("", "CSV file of actions defining a custom schedule (overrides the name)")
+    pipeline_parallel_microbatch_size: int = opt(1, "sequences per pipeline micro-batch", min=1)
+    pipeline_parallel_layers_per_stage: int = opt(0, "layers per (virtual) stage; 0 = 1 stage per rank, 2 for "
+                                                     "interleaved and V schedules", min=0)
+    pipeline_parallel_split_points: list[str] = opt([], "layer indices that start a new stage, e.g. 4,8 (overrides "
+                                                        "layers_per_stage)")
+    pipeline_parallel_first_stage_less_layers: int = opt(1, "layers the first stage gives up for the embedding", min=0)
+    pipeline_parallel_last_stage_less_layers: int = opt(1, "layers the last stage gives up for norm and output", min=0)
     context_parallel_degree: int = opt(1, "context parallel degree", min=1)
     expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models)", min=1)
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the root",
@@ -92,9 +107,6 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
-
-
-LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
 
 
 @dataclass

@@ -6,15 +6,13 @@ import os
 from tessera.config.manager import ConfigError
 from tessera.config.sections import LOADABLE_PARTS, JobConfig
 from tessera.models import FAMILIES, flavors, takes_tokenizer_vocab
+from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
 # Accepted by the config so shipped configs can name them, refused until implemented.
 _NOT_YET = {
-    "parallelism.pipeline_parallel_degree": lambda c: c.parallelism.pipeline_parallel_degree > 1,
     "parallelism.context_parallel_degree": lambda c: c.parallelism.context_parallel_degree > 1,
     "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
-    "model.converters": lambda c: bool(c.model.converters),
-    "training.enable_cpu_offload": lambda c: c.training.enable_cpu_offload,
 }
 
 
@@ -46,9 +44,13 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
     if dims.tp > 1:
         _check_tp(cfg, dims.tp)
+    if dims.pp > 1:
+        _check_pp(cfg, dims.pp)
     _check_checkpoint(cfg, world_size)
+    _check_speed(cfg, dims)
     ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' is neither 'op' "
                           f"nor a positive integer")
     if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
@@ -98,3 +100,58 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
     if bad:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
                           f"{', '.join(LOADABLE_PARTS)}")
+
+
+def _check_pp(cfg: JobConfig, pp: int) -> None:
+    args, p = flavors(cfg.model.name)[cfg.model.flavor], cfg.parallelism
+    if args.tie_embeddings:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.flavor} ties its embeddings across the "
+                          f"first and last stage, which pipelining does not support; use FSDP/TP instead")
+    if p.pipeline_parallel_schedule_csv and not os.path.isfile(p.pipeline_parallel_schedule_csv):
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv: no such file "
+                          f"'{p.pipeline_parallel_schedule_csv}'")
+    problem = pp_layout.check(args.n_layers, pp, p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv,
+                              cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size,
+                              p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+    if problem:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree {pp}: {problem}")
+
+
+# Restated from tessera/parallel/quantize.py, which needs torch.
+_FLOAT8, _MX = "quantize.linear.float8", "quantize.linear.mx"
+_MX_RECIPES = ("mxfp8_cublas", "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
+
+
+def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Converters (Float8 / MX) and FSDP CPU offload. The exact GPU capability is checked at model build."""
+    conv, f8, mx = cfg.model.converters, cfg.quantize.linear.float8, cfg.quantize.linear.mx
+    unknown = [c for c in conv if c not in (_FLOAT8, _MX)]
+    if unknown:
+        raise ConfigError(f"model.converters: unknown converter(s) {unknown}; choose from {_FLOAT8}, {_MX}")
+    if _FLOAT8 in conv and _MX in conv:
+        raise ConfigError(f"model.converters: {_FLOAT8} and {_MX} would convert the same linears; pick one")
+    if conv and dims.tp > 1:
+        raise ConfigError(f"model.converters: {', '.join(conv)} with tensor parallelism is not supported yet; "
+                          f"use FSDP (data_parallel_shard_degree) instead")
+    for name, section in ((_FLOAT8, f8), (_MX, mx)):
+        if name in conv and not section.emulate and not _has_cuda():
+            raise ConfigError(f"{name}: needs a CUDA GPU (compute capability >= {'8.9' if name == _FLOAT8 else '10.0'})"
+                              f" and none was found; set {name}.emulate = true to emulate it (slow; for tests) or "
+                              f"remove it from model.converters")
+    if _FLOAT8 in conv:
+        if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+            raise ConfigError(f"{_FLOAT8}.enable_fsdp_float8_all_gather: needs recipe_name = 'tensorwise' (one "
+                              f"scale per weight), not '{f8.recipe_name}'")
+        if f8.precompute_float8_dynamic_scale_for_fsdp and not (f8.enable_fsdp_float8_all_gather
+                                                                and f8.recipe_name == "tensorwise"):
+            raise ConfigError(f"{_FLOAT8}.precompute_float8_dynamic_scale_for_fsdp: only works with recipe_name = "
+                              f"'tensorwise' and enable_fsdp_float8_all_gather = true")
+        if "auto_filter_small_kn" in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
+            raise ConfigError(f"{_FLOAT8}.filter_fqns: auto_filter_small_kn has no size thresholds for "
+                              f"rowwise_with_gw_hp; name the layers to skip instead")
+    if _MX in conv and mx.recipe_name not in _MX_RECIPES:
+        raise ConfigError(f"{_MX}.recipe_name: '{mx.recipe_name}' is not one of {', '.join(_MX_RECIPES)}")
+    if cfg.training.enable_cpu_offload and dims.dp == 1:
+        raise ConfigError("training.enable_cpu_offload: offloads FSDP's shards, so it needs a data-parallel degree "
+                          "> 1 (data_parallel_shard_degree or replicate)")

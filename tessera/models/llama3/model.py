@@ -52,12 +52,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """rope: the table for all positions, [max_seq_len, 2, head_dim]."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -105,11 +106,17 @@ class Transformer(nn.Module):
         self.rope = rope_cache(self.args, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [batch, seq] -> logits [batch, seq, vocab]."""
-        h = self.tok_embeddings(tokens)
-        rope = self.rope[: tokens.shape[1]]
+        """tokens: [batch, seq] -> logits [batch, seq, vocab].
+
+        A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, rope)
+            # The whole table: attention slices it once it sees the whole sequence (under sequence
+            # parallelism the residual stream between blocks holds only a slice of it).
+            h = layer(h, self.rope)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 

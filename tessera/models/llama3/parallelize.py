@@ -1,11 +1,15 @@
-"""Llama 3's parallelism plan: which pieces each parallelism applies to, in which order (TP, then FSDP)."""
+"""Llama 3's parallelism plan: which pieces each feature applies to, in which order (converters, TP, AC,
+compile, FSDP)."""
 
 import torch
 from torch import nn
 
 from tessera.config import JobConfig
 from tessera.distributed import World
+from tessera.parallel.ac import apply_ac
+from tessera.parallel.compile import apply_compile
 from tessera.parallel.fsdp import apply_fsdp
+from tessera.parallel.quantize import apply_converters
 from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -24,12 +28,16 @@ def param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     p = cfg.parallelism
+    apply_converters(model, cfg, world.device)
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
         apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
                  model.layers, BLOCK_TP_PLAN)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
+    apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_compile(model.layers)
     dp_mesh = world.dp_mesh()
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh, list(model.layers.values()),

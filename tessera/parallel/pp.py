@@ -1,0 +1,75 @@
+"""Pipeline parallelism: cut a meta-device model into stages by layers and run them with a
+torch.distributed.pipelining schedule. Parameter names stay those of the whole model, so checkpoints
+move freely between pipeline layouts."""
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, _PipelineScheduleRuntime,
+                                                    get_schedule_class)
+
+from tessera.parallel import pp_layout
+
+
+def cut(model: nn.Module, layer_ids: list[int], first: tuple[str, ...] | None, last: tuple[str, ...] | None,
+        drop_first: tuple[str, ...], drop_last: tuple[str, ...]) -> nn.Module:
+    """A copy of `model` (on meta, so cheap) holding only `layer_ids`, and the first/last-stage modules
+    when it is the first/last stage (`first`/`last` not None)."""
+    stage = copy.deepcopy(model)
+    stage.layers = nn.ModuleDict({k: v for k, v in stage.layers.items() if int(k) in layer_ids})
+    for name in drop_first if first is None else ():
+        setattr(stage, name, None)
+    for name in drop_last if last is None else ():
+        setattr(stage, name, None)
+    return stage
+
+
+def split(model: nn.Module, pp_mesh: DeviceMesh, cfg, first_modules: tuple[str, ...],
+          last_modules: tuple[str, ...]) -> tuple[list[int], list[nn.Module]]:
+    """The stage indices this rank runs and their modules (still on meta)."""
+    p = cfg.parallelism
+    n_layers = len(model.layers)
+    n_stages = pp_layout.num_stages(n_layers, p.pipeline_parallel_degree, p.pipeline_parallel_schedule,
+                                    p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
+                                    p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers)
+    layout = pp_layout.stage_layers(n_layers, n_stages, p.pipeline_parallel_split_points,
+                                    p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers)
+    ids = pp_layout.rank_stages(pp_mesh.get_local_rank(), p.pipeline_parallel_degree, n_stages,
+                                p.pipeline_parallel_schedule)
+    parts = [cut(model, layout[i], first_modules if i == 0 else None, last_modules if i == n_stages - 1 else None,
+                 first_modules, last_modules) for i in ids]
+    return ids, parts
+
+
+def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
+                   device: torch.device, cfg, loss_fn):
+    """`loss_fn` must already divide by the number of micro-batches: the schedule does not scale gradients,
+    because its scaling would also rescale gradients accumulated by earlier steps of gradient accumulation."""
+    p = cfg.parallelism
+    stages = [PipelineStage(part, i, n_stages, device, group=pp_mesh.get_group()) for part, i in zip(parts, stage_ids)]
+    n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    if p.pipeline_parallel_schedule_csv:
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
+        schedule._load_csv(p.pipeline_parallel_schedule_csv)
+        return schedule, stages
+    cls = get_schedule_class(p.pipeline_parallel_schedule)
+    single = issubclass(cls, PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
+    return schedule, stages
+
+
+def parts_view(parts: list[nn.Module], names: tuple[str, ...]) -> nn.Module:
+    """One module over this rank's stages with the whole model's parameter names, for optimizer and DCP."""
+    view = nn.Module()
+    for name in names:
+        found = [getattr(p, name) for p in parts if getattr(p, name, None) is not None]
+        if found:
+            setattr(view, name, found[0])
+    layers = sorted(((k, v) for p in parts for k, v in p.layers.items()), key=lambda kv: int(kv[0]))
+    view.layers = nn.ModuleDict(layers)
+    return view

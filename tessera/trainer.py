@@ -1,0 +1,161 @@
+"""The Trainer's parts and the named builders that make them, in order."""
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import models
+from tessera.checkpoint.manager import Checkpointer
+from tessera.config import JobConfig, to_toml
+from tessera.config.validate import check_vocab
+from tessera.data import build_dataloader, build_tokenizer
+from tessera.distributed import World
+from tessera.metrics import MetricsLogger, flops_per_token, peak_flops
+from tessera.models.llama3.model import num_params
+from tessera.optim import build_lr_scheduler, build_optimizer
+from tessera.parallel import pp, pp_layout
+from tessera.parallel.compile import compile_loss
+from tessera.parallel.init import materialize
+from tessera.parallel.quantize import post_optimizer_hook
+
+log = logging.getLogger("tessera")
+
+
+@dataclass
+class Pipeline:
+    schedule: object
+    first: bool  # this rank runs the first stage (feeds inputs)
+    last: bool  # this rank runs the last stage (computes the loss)
+    group: torch.distributed.ProcessGroup
+
+
+@dataclass
+class Trainer:
+    cfg: JobConfig
+    world: World
+    model: nn.Module  # under pipelining: a view over this rank's stages with the whole model's names
+    model_args: object
+    pipeline: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: object
+    val_loader: object | None
+    metrics: MetricsLogger
+    checkpointer: Checkpointer
+    grad_accum: int
+    flops_per_token: float
+    peak_flops: float
+    autocast: contextlib.AbstractContextManager
+    loss_parallel: bool
+    step: int = 0
+    tokens_seen: int = 0
+    history: list[dict] = field(default_factory=list)
+    loss_fn: Callable | None = None  # loss_fn below, compiled when compile.components holds "loss"
+    after_optimizer_step: Callable[[], None] | None = None  # e.g. float8 scale precompute for FSDP
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def model_args(cfg: JobConfig, vocab_size: int):
+    family = models.family(cfg.model.name)
+    args = dataclasses.replace(family.FLAVORS[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+    if cfg.model.flavor in family.TAKES_TOKENIZER_VOCAB:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    return args
+
+
+def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn.Module, Pipeline | None]:
+    """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights."""
+    family = models.family(cfg.model.name)
+    with torch.device("meta"):
+        model = family.Transformer(args)
+    if world.dims.pp == 1:
+        model = family.parallelize(model, world, cfg)
+        materialize(model, world.device, cfg.training.seed, _param_device(cfg))
+        return model.train(), None
+    pp_mesh = world.mesh["pp"]
+    stage_ids, parts = pp.split(model, pp_mesh, cfg, family.FIRST_STAGE_MODULES, family.LAST_STAGE_MODULES)
+    for part in parts:
+        family.parallelize(part, world, cfg)
+        materialize(part, world.device, cfg.training.seed, _param_device(cfg))
+        part.train()
+    p = cfg.parallelism
+    n_stages = pp_layout.num_stages(args.n_layers, world.dims.pp, p.pipeline_parallel_schedule,
+                                    p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
+                                    p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers)
+    # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
+    share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
+    schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
+                                    lambda out, labels: loss_fn(out, labels) / share)
+    view = pp.parts_view(parts, family.FIRST_STAGE_MODULES + family.LAST_STAGE_MODULES)
+    return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group())
+
+
+def _param_device(cfg: JobConfig) -> torch.device | None:
+    """FSDP CPU offload keeps sharded parameters in host memory."""
+    return torch.device("cpu") if cfg.training.enable_cpu_offload else None
+
+
+def set_determinism(cfg: JobConfig) -> None:
+    torch.manual_seed(cfg.training.seed)
+    if cfg.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def build_metrics(cfg: JobConfig, world: World) -> MetricsLogger:
+    active = world.rank == 0
+    metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=active, wandb=cfg.metrics.enable_wandb,
+                            tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+                            if cfg.metrics.enable_tensorboard else None)
+    if active:
+        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
+            fh.write(to_toml(cfg))
+    return metrics
+
+
+def build_trainer(cfg: JobConfig, world: World) -> Trainer:
+    set_determinism(cfg)
+    t = cfg.training
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    check_vocab(cfg, tokenizer.vocab_size, world.dims.tp)
+    args = model_args(cfg, tokenizer.vocab_size)
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
+    model, pipeline = build_model(cfg, world, args, grad_accum)
+    optimizer = build_optimizer(model, cfg.optimizer, world.device)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp)
+    val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation") \
+        if cfg.validation.enable else None
+    with torch.device("meta"):  # counts of the whole model, whatever this rank holds
+        whole = models.family(cfg.model.name).Transformer(args)
+    fpt = flops_per_token(num_params(whole, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
+                          t.seq_len)
+    peak, peak_source = peak_flops(world.device)
+    log.info(f"model {cfg.model.name} {cfg.model.flavor}: {num_params(whole):,} parameters, vocab "
+             f"{args.vocab_size}; {world.size} rank(s) on {world.device.type}, {world.dims}; "
+             f"grad accumulation {grad_accum}")
+    log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
+    # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
+    mixed = world.dp_mesh() is None and t.mixed_precision_param == "bfloat16"
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+    loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+    tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
+                 build_metrics(cfg, world), Checkpointer(cfg, world.rank), grad_accum, fpt, peak, autocast,
+                 loss_parallel)
+    compiled = cfg.compile.enable and "loss" in cfg.compile.components
+    tr.loss_fn = compile_loss(loss_fn) if compiled else loss_fn
+    tr.after_optimizer_step = post_optimizer_hook(model, cfg)
+    tr.checkpointer.load(tr)
+    return tr

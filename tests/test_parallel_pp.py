@@ -1,0 +1,66 @@
+"""Pipeline parallel: every schedule, PP x FSDP, PP x TP x FSDP, accumulation, and checkpoint moves,
+each equal to a single-process run (fp32, same seed and data)."""
+
+import pytest
+
+from tests.dist_worker import run_grads, run_train
+from tests.launch import assert_matches, resume_copy, run_cases
+
+TOL = 1e-5
+STEPS = 5
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_grads(["--training.local_batch_size", "8"], STEPS)
+
+
+def _csv(path):
+    """A hand-written GPipe: all forwards, then all full backwards, one stage per rank, 8 micro-batches."""
+    rows = [",".join([f"{s}F{m}" for m in range(8)] + [f"{s}B{m}" for m in range(8)]) for s in (0, 1)]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_pp2_every_schedule_csv_and_accumulation(tmp_path, reference):
+    cases = [[*PP2, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule", s]
+             for s in SCHEDULES]
+    cases.append([*PP2, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule_csv",
+                  _csv(tmp_path / "gpipe.csv")])
+    cases.append([*PP2, "--training.local_batch_size", "4", "--training.global_batch_size", "8"])
+    results = run_cases(2, tmp_path, cases, STEPS)
+    for name, got in zip([*SCHEDULES, "csv", "accumulation"], results, strict=True):
+        try:
+            assert_matches(got, reference, TOL, what=("grads", "params"))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_pp2_x_fsdp2(tmp_path, reference):
+    (got,) = run_cases(4, tmp_path, [[*PP2, "--training.local_batch_size", "4",
+                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]], STEPS)
+    assert_matches(got, reference, TOL, what=("grads", "params"))
+
+
+def test_pp2_x_tp2_x_fsdp2(tmp_path, reference):
+    (got,) = run_cases(8, tmp_path, [[*PP2, "--training.local_batch_size", "4",
+                                      "--parallelism.tensor_parallel_degree", "2"]], STEPS)
+    assert_matches(got, reference, TOL, what=("grads", "params"))
+
+
+def test_pp2_checkpoint_resumes_without_pp_and_under_fsdp(tmp_path):
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+    (full,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "pp"), *PP2,
+                                       "--training.local_batch_size", "8", *ckpt]], 8, mode="train")
+    one = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "pp", tmp_path / "one", 4)),
+                     "--training.local_batch_size", "8", *ckpt], 8)
+    (fsdp,) = run_cases(2, tmp_path, [["--job.dump_folder", str(resume_copy(tmp_path / "pp", tmp_path / "fsdp", 4)),
+                                       "--training.local_batch_size", "4", *ckpt]], 8, mode="train")
+    for resumed in (one, fsdp):
+        assert resumed["start"] == 4
+        for step in range(5, 9):
+            assert abs(resumed["losses"][step] - full["losses"][step]) <= TOL
+        assert_matches({"losses": [], "params": resumed["params"]}, {"losses": [], "params": full["params"]}, TOL,
+                       what=("params",))
