@@ -26,12 +26,13 @@ class World:
         return self.flat["dp"].get_local_rank() if self.mesh is not None and self.dims.dp > 1 else 0
 
     def dp_mesh(self) -> DeviceMesh | None:
-        """Mesh FSDP works over: 2D (replicate, shard) for HSDP, else 1D."""
-        if self.mesh is None or self.dims.dp == 1:
+        """Mesh FSDP works over: data-parallel ranks and context-parallel ranks (which see the same weights),
+        2D (replicate, shard x cp) for HSDP, else 1D."""
+        if self.mesh is None or self.dims.dp * self.dims.cp == 1:
             return None
-        if self.dims.dp_replicate > 1:  # HSDP; with shard 1 it is plain replication (DDP)
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.flat["dp"]
+        if self.dims.dp_replicate > 1:  # HSDP; with shard x cp = 1 it is plain replication (DDP)
+            return self.mesh["dp_replicate", "dp_shard_cp"]
+        return self.flat["dp_shard_cp"]
 
 
 def world_size_from_env() -> int:
@@ -60,6 +61,7 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
     names, sizes = zip(*axes)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
 

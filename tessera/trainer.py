@@ -20,7 +20,7 @@ from tessera.distributed import World
 from tessera.metrics import MetricsLogger, flops_per_token, peak_flops
 from tessera.models.llama3.model import num_params
 from tessera.optim import build_lr_scheduler, build_optimizer
-from tessera.parallel import pp, pp_layout
+from tessera.parallel import cp, pp, pp_layout
 from tessera.parallel.compile import compile_loss
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
@@ -80,13 +80,13 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn
         model = family.Transformer(args)
     if world.dims.pp == 1:
         model = family.parallelize(model, world, cfg)
-        materialize(model, world.device, cfg.training.seed, _param_device(cfg))
+        _materialize(model, world, cfg)
         return model.train(), None
     pp_mesh = world.mesh["pp"]
     stage_ids, parts = pp.split(model, pp_mesh, cfg, family.FIRST_STAGE_MODULES, family.LAST_STAGE_MODULES)
     for part in parts:
         family.parallelize(part, world, cfg)
-        materialize(part, world.device, cfg.training.seed, _param_device(cfg))
+        _materialize(part, world, cfg)
         part.train()
     p = cfg.parallelism
     n_stages = pp_layout.num_stages(args.n_layers, world.dims.pp, p.pipeline_parallel_schedule,
@@ -101,9 +101,12 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn
     return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group())
 
 
-def _param_device(cfg: JobConfig) -> torch.device | None:
-    """FSDP CPU offload keeps sharded parameters in host memory."""
-    return torch.device("cpu") if cfg.training.enable_cpu_offload else None
+def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
+    # FSDP CPU offload keeps sharded parameters in host memory.
+    materialize(model, world.device, cfg.training.seed,
+                torch.device("cpu") if cfg.training.enable_cpu_offload else None)
+    if world.dims.cp > 1:  # each rank holds its chunks of the sequence: give them their global positions
+        cp.shard_rope(model, world.mesh["cp"], cfg.training.seq_len)
 
 
 def set_determinism(cfg: JobConfig) -> None:

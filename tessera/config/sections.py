@@ -93,7 +93,9 @@ class Parallelism:
                                                         "layers_per_stage)")
     pipeline_parallel_first_stage_less_layers: int = opt(1, "layers the first stage gives up for the embedding", min=0)
     pipeline_parallel_last_stage_less_layers: int = opt(1, "layers the last stage gives up for norm and output", min=0)
-    context_parallel_degree: int = opt(1, "context parallel degree", min=1)
+    context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
+    context_parallel_rotate_method: str = opt("allgather", "how attention sees other ranks' keys and values",
+                                              choices=("allgather",))
     expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models)", min=1)
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the root",
                                           choices=("default", "always", "never"))

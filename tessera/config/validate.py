@@ -11,7 +11,6 @@ from tessera.parallel.dims import ParallelDims
 
 # Accepted by the config so shipped configs can name them, refused until implemented.
 _NOT_YET = {
-    "parallelism.context_parallel_degree": lambda c: c.parallelism.context_parallel_degree > 1,
     "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
 }
 
@@ -46,6 +45,9 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         _check_tp(cfg, dims.tp)
     if dims.pp > 1:
         _check_pp(cfg, dims.pp)
+    if dims.cp > 1 and t.seq_len % (2 * dims.cp):
+        raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
+                          f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")
     _check_checkpoint(cfg, world_size)
     _check_speed(cfg, dims)
     ac = cfg.activation_checkpoint

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 
 def _ops(*names: str, namespace=torch.ops.aten) -> set:
-    """The `.default` overloads of the ops this torch build has (CPU-only builds lack none, but be safe)."""
+    """The `.default` overloads of those named ops that this torch build registers."""
     found = set()
     for name in names:
         try:
@@ -41,8 +41,8 @@ def _reduce_scatter_ops() -> set:
         return set()
 
 
-def _op_policy_context():
-    """A fresh policy per block forward: mm outputs alternate saved/recomputed, counted per pass."""
+def op_policy():
+    """The per-op policy for one block forward (and its recompute): what to keep, what to recompute."""
     save = _SAVE | _reduce_scatter_ops() | {_MM}
     mm_count = defaultdict(int)
 
@@ -56,7 +56,11 @@ def _op_policy_context():
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def _op_policy_context():
+    return create_selective_checkpoint_contexts(op_policy())
 
 
 def _wrap(block: nn.Module, **kwargs) -> nn.Module:

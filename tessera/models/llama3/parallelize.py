@@ -1,5 +1,5 @@
-"""Llama 3's parallelism plan: which pieces each feature applies to, in which order (converters, TP, AC,
-compile, FSDP)."""
+"""Llama 3's parallelism plan: which pieces each feature applies to, in which order (converters, TP, CP,
+AC, compile, FSDP)."""
 
 import torch
 from torch import nn
@@ -8,6 +8,7 @@ from tessera.config import JobConfig
 from tessera.distributed import World
 from tessera.parallel.ac import apply_ac
 from tessera.parallel.compile import apply_compile
+from tessera.parallel.cp import apply_cp
 from tessera.parallel.fsdp import apply_fsdp
 from tessera.parallel.quantize import apply_converters
 from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
@@ -35,6 +36,8 @@ def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
                  model.layers, BLOCK_TP_PLAN)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
+    if world.dims.cp > 1:
+        apply_cp(model.layers, "attention", world.mesh["cp"])
     apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model.layers)

@@ -1,0 +1,91 @@
+"""Context parallelism on plain collectives, so it runs on gloo (CPU) and NCCL alike.
+
+Each CP rank holds two of 2·CP equal chunks of every sequence: chunk r and chunk 2·CP−1−r. Under causal
+attention late chunks attend to more keys than early ones, so pairing them balances the work. Attention
+all-gathers K and V over the CP group and each local query chunk attends to the keys at or before it;
+autograd carries the gradients of K and V back to their owners. Scores take (S/CP)·S memory per rank.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(cp_rank, cp)], dim=dim)
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp, dim=0)
+
+
+class _AllGather(torch.autograd.Function):
+    """[...] on each rank -> [ranks, ...]; backward sums each rank's gradient for every piece back to its owner.
+    (torch.distributed.nn's version mis-addresses sub-groups on gloo.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group), *x.shape))
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)  # gloo lacks all_gather_into_tensor
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "gloo":  # no reduce-scatter there: exchange, then sum
+            pieces = torch.empty_like(grad)
+            dist.all_to_all_single(pieces, grad, group=ctx.group)
+            return pieces.sum(0), None
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's query chunks against the whole sequence's keys and values."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int):
+        super().__init__()
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
+        parts = _AllGather.apply(x, self.group)
+        half = x.shape[2] // 2
+        ordered = [None] * (2 * self.cp)
+        for rank, part in enumerate(parts):
+            head, tail = chunk_ids(rank, self.cp)
+            ordered[head], ordered[tail] = part[:, :, :half], part[:, :, half:]
+        return torch.cat(ordered, dim=2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self._whole(k), self._whole(v)
+        size = q.shape[2] // 2
+        out = []
+        for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
+            end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
+            mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk * size)
+            out.append(F.scaled_dot_product_attention(q[:, :, half * size:(half + 1) * size], keys[:, :, :end],
+                                                      values[:, :, :end], attn_mask=mask, enable_gqa=True))
+        return torch.cat(out, dim=2)
+
+
+def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) -> None:
+    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one."""
+    for block in blocks.values():
+        getattr(block, attention).sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(),
+                                                                  cp_mesh.size())
+
+
+def shard_rope(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Reorder the RoPE table so that local row i holds the global position of local token i."""
+    positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), device=model.rope.device)
+    model.rope = model.rope[positions]

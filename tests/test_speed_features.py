@@ -1,0 +1,430 @@
+"""Speed and memory features: activation checkpointing, torch.compile, Float8 / MX (emulated on CPU),
+FSDP CPU offload and reshard_after_forward. Each is compared with the same run without it.
+
+The 2-rank cases run in one torchrun launch of this file (see `_worker` at the bottom).
+"""
+
+import collections
+import functools
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.config import ConfigError, parse_args
+from tessera.config import validate as validate_module
+from tessera.config.validate import validate
+from tessera.models.llama3.args import FLAVORS, Llama3Args
+from tessera.models.llama3.model import Transformer
+from tessera.parallel.ac import apply_ac, op_policy
+from tessera.parallel.init import bare_name, materialize
+from tests.dist_worker import _trainer, full_params, run_grads, split_cases
+from tests.launch import ROOT, assert_matches
+
+STEPS = 3
+BATCH = ["--training.local_batch_size", "4"]
+F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+MX = ["--model.converters", "quantize.linear.mx", "--quantize.linear.mx.emulate"]
+# Emulated float8/MXFP8 rounds every matmul operand to 3 mantissa bits; over 3 steps of the tiny model
+# the loss (~6) moves by ~1e-4. 1e-3 absolute leaves 10x margin and still catches a broken cast.
+LOW_PRECISION_TOL = 1e-3
+LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
+
+
+def bare(result: dict) -> dict:
+    """Gradients keyed by the bare model's parameter names (AC inserts `_checkpoint_wrapped_module.`)."""
+    return {**result, "grads": {bare_name(k): v for k, v in result["grads"].items()}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_grads(BATCH, STEPS)
+
+
+def _run(argv: list[str], steps: int = STEPS):
+    """run_grads (per-step losses, step-1 gradients), also returning the trainer for inspection."""
+    from tessera.train import dp_mean, train_step
+
+    with tempfile.TemporaryDirectory() as dump:
+        tr = _trainer(argv, steps, dump)
+        losses, grads = [], None
+        for _ in range(steps):
+            loss, _, _ = train_step(tr)
+            tr.step += 1
+            losses.append(dp_mean(loss, tr.world))
+            if grads is None:
+                grads = full_params(tr.model, "grad")
+        tr.metrics.close()
+    return tr, {"losses": losses, "grads": grads}
+
+
+def _tiny(**changes) -> nn.Module:
+    with torch.device("meta"):
+        return Transformer(Llama3Args(**{**vars(FLAVORS["tiny"]), "vocab_size": 256, "max_seq_len": 64, **changes}))
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+AC_MODES = {"full": ["--activation_checkpoint.mode", "full"],
+            "selective_op": ["--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op"],
+            "selective_every_2": ["--activation_checkpoint.mode", "selective",
+                                  "--activation_checkpoint.selective_ac_option", "2"]}
+WRAPPED = {"full": ["0", "1"], "selective_op": ["0", "1"], "selective_every_2": ["1"]}
+
+
+@pytest.mark.parametrize("mode", AC_MODES)
+def test_ac_equals_no_ac(mode, reference):
+    tr, got = _run([*BATCH, *AC_MODES[mode]])
+    wrapped = [k for k, b in tr.model.layers.items() if type(b).__name__ == "CheckpointWrapper"]
+    assert wrapped == WRAPPED[mode]
+    got = bare(got)
+    assert_matches(got, reference, 1e-6)  # same initial weights (materialize reads bare names), same math
+    for name, grad in got["grads"].items():
+        assert torch.equal(grad, reference["grads"][name]), name  # recompute is exact on CPU
+
+
+def test_ac_keeps_checkpoint_keys():
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    plain, wrapped = _tiny(), _tiny()
+    apply_ac(wrapped.layers, "full")
+    for m in (plain, wrapped):
+        materialize(m, torch.device("cpu"), 0)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    a, b = get_model_state_dict(plain), get_model_state_dict(wrapped)
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_op_policy_saves_attention_and_every_other_matmul():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    policy, fwd, rec = op_policy(), SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    assert [policy(fwd, aten.mm.default) for _ in range(4)] == [save, recompute, save, recompute]
+    assert [policy(rec, aten.mm.default) for _ in range(3)] == [save, recompute, save]  # its own count
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+               aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+               torch.ops._c10d_functional.reduce_scatter_tensor.default):
+        assert policy(fwd, op) == save, op
+    for op in (aten.add.Tensor, aten.silu.default, aten.mul.Tensor, aten.bmm.default):
+        assert policy(fwd, op) == recompute, op
+
+
+class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of op outputs alive at once (activations, recomputations, gradients): deterministic on CPU.
+
+    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
+    saved tensors included) keeps it alive.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def test_ac_lowers_peak_activation_memory():
+    args = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=128)
+    tokens = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    peak, losses = {}, {}
+    for mode, option in (("none", ""), ("full", ""), ("selective", "op"), ("selective", "2")):
+        model = _tiny(**args)
+        apply_ac(model.layers, mode, option)
+        materialize(model, torch.device("cpu"), 0)
+        with PeakLiveBytes() as meter:
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+        peak[mode + option], losses[mode + option] = meter.peak, loss.item()
+    assert len(set(losses.values())) == 1, losses
+    none = peak["none"]
+    assert none > 10 * 2**20, peak  # the meter sees the activations at all
+    # Measured: none 25.8 MiB, every-2nd 20.2, op 15.6, full 12.0.
+    assert peak["full"] < 0.6 * none, peak
+    assert peak["full"] < peak["selectiveop"] < none, peak
+    assert peak["full"] < peak["selective2"] < none, peak
+
+
+# ---------------------------------------------------------------- torch.compile
+
+def test_compile_matches_eager(caplog):
+    """One compiled block graph (both blocks share it) and the compiled loss; 3 steps."""
+    from tessera.train import train
+    from tessera.trainer import loss_fn
+
+    runs = {}
+    for name, argv in (("eager", []), ("compiled", ["--compile.enable"])):
+        with tempfile.TemporaryDirectory() as dump, caplog.at_level(logging.INFO, logger="tessera"):
+            tr = _trainer([*BATCH, *argv], STEPS, dump)
+            train(tr)
+            tr.metrics.close()
+        runs[name] = tr
+    eager, compiled = runs["eager"], runs["compiled"]
+    assert all(b._compiled_call_impl is not None for b in compiled.model.layers.values())
+    assert compiled.loss_fn is not loss_fn and eager.loss_fn is loss_fn
+    assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
+    for a, b in zip(compiled.history, eager.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    want = full_params(eager.model)
+    for name, value in full_params(compiled.model).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5)
+    timing = [r.message for r in caplog.records if r.message.startswith("compile: first step took")]
+    assert len(timing) == 1, timing
+
+
+# ---------------------------------------------------------------- Float8 / MX
+
+def _float8_cfg(**changes):
+    return SimpleNamespace(**{"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": False, "emulate": True,
+                              "filter_fqns": ["output"], **changes})
+
+
+def test_float8_converts_the_right_linears(caplog):
+    from torchao.float8.float8_linear import Float8Linear
+
+    from tessera.parallel.quantize import apply_float8
+
+    cpu = torch.device("cpu")
+    model = _tiny()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        names = apply_float8(model, _float8_cfg(), cpu)
+    assert len(names) == 2 * LINEARS_PER_BLOCK and "output" not in names
+    assert type(model.output) is nn.Linear and isinstance(model.layers["0"].attention.wq, Float8Linear)
+    assert any(f"converted {2 * LINEARS_PER_BLOCK} linear layer(s)" in r.message for r in caplog.records)
+
+    model = _tiny()
+    names = apply_float8(model, _float8_cfg(filter_fqns=["output", "w2"]), cpu)
+    assert len(names) == 2 * (LINEARS_PER_BLOCK - 1) and not any(n.endswith("w2") for n in names)
+
+    # torchao's size rule (H100 measurements): tensorwise skips K <= 4096 and N <= 1024, rowwise skips
+    # N <= 2048, K <= 1024, or both N <= 4096 and K <= 2048; both skip dims not divisible by 16.
+    def shapes():
+        with torch.device("meta"):
+            return nn.ModuleDict({"big": nn.Linear(8192, 2048), "huge": nn.Linear(8192, 8192),
+                                  "small": nn.Linear(1024, 1024), "odd": nn.Linear(8200, 8200),
+                                  "output": nn.Linear(8192, 8192)})
+    auto = ["output", "auto_filter_small_kn"]
+    assert apply_float8(shapes(), _float8_cfg(filter_fqns=auto), cpu) == ["big", "huge"]
+    assert apply_float8(shapes(), _float8_cfg(filter_fqns=auto, recipe_name="rowwise"), cpu) == ["huge"]
+    assert apply_float8(_tiny(), _float8_cfg(filter_fqns=auto), cpu) == []  # the tiny model is all small
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_emulated_trains_close_to_high_precision(recipe, reference):
+    from torchao.float8.float8_linear import Float8Linear
+
+    tr, run = _run([*BATCH, *F8, "--quantize.linear.float8.recipe_name", recipe])
+    losses = run["losses"]
+    kinds = collections.Counter(type(m).__name__ for m in tr.model.modules())
+    assert kinds["Float8Linear"] == 2 * LINEARS_PER_BLOCK and type(tr.model.output) is nn.Linear
+    assert all(m.config.emulate for m in tr.model.modules() if isinstance(m, Float8Linear))
+    assert losses != reference["losses"]  # it really ran in float8
+    for got, want in zip(losses, reference["losses"], strict=True):
+        assert abs(got - want) <= LOW_PRECISION_TOL, (losses, reference["losses"])
+
+
+def test_mx_emulated_trains_close_to_high_precision(reference):
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+
+    tr, run = _run([*BATCH, *MX])
+    losses = run["losses"]
+    converted = [n for n, p in tr.model.named_parameters() if isinstance(p.data, MXFP8TrainingWeightWrapperTensor)]
+    assert len(converted) == 2 * LINEARS_PER_BLOCK and "output.weight" not in converted  # still after 3 steps
+    assert losses != reference["losses"]
+    for got, want in zip(losses, reference["losses"], strict=True):
+        assert abs(got - want) <= LOW_PRECISION_TOL, (losses, reference["losses"])
+
+
+# ---------------------------------------------------------------- refusals
+
+REFUSED = {
+    "float8 without emulate, no GPU": (F8[:2], 1, r"^quantize\.linear\.float8: needs a CUDA GPU .*emulate = true"),
+    "mx without emulate, no GPU": (MX[:2], 1, r"^quantize\.linear\.mx: needs a CUDA GPU \(compute capability >= 10\.0"),
+    "precompute without float8 all-gather": (
+        [*F8, "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], 2,
+        r"precompute_float8_dynamic_scale_for_fsdp: only works with recipe_name = 'tensorwise' and "
+        r"enable_fsdp_float8_all_gather = true"),
+    "precompute with rowwise": (
+        [*F8, "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "--quantize.linear.float8"
+         ".recipe_name", "rowwise"], 2, r"precompute_float8_dynamic_scale_for_fsdp: only works with"),
+    "float8 all-gather with rowwise": (
+        [*F8, "--quantize.linear.float8.enable_fsdp_float8_all_gather", "--quantize.linear.float8.recipe_name",
+         "rowwise"], 2, r"enable_fsdp_float8_all_gather: needs recipe_name = 'tensorwise'"),
+    "auto filter without thresholds": (
+        [*F8, "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp", "--quantize.linear.float8.filter_fqns",
+         "output,auto_filter_small_kn"], 1, r"auto_filter_small_kn has no size thresholds"),
+    "unknown converter": (["--model.converters", "quantize.linear.int4"], 1, r"^model\.converters: unknown"),
+    "both converters": (["--model.converters", "quantize.linear.float8,quantize.linear.mx",
+                         "--quantize.linear.float8.emulate", "--quantize.linear.mx.emulate"], 1, r"pick one"),
+    "converters with TP": ([*F8, "--parallelism.tensor_parallel_degree", "2"], 2,
+                           r"with tensor parallelism is not supported yet"),
+    "mx unknown recipe": ([*MX, "--quantize.linear.mx.recipe_name", "mxfp4"], 1,
+                          r"quantize\.linear\.mx\.recipe_name: 'mxfp4' is not one of"),
+    "cpu offload without FSDP": (["--training.enable_cpu_offload"], 1, r"needs a data-parallel degree > 1"),
+    "every 0th block": (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                         "0"], 1, r"selective_ac_option: '0' is neither 'op' nor a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_before_launch(case, monkeypatch):
+    argv, world, message = REFUSED[case]
+    monkeypatch.setattr(validate_module, "_has_cuda", lambda: False)
+    with pytest.raises(ConfigError, match=message):
+        validate(parse_args(["--model.flavor", "tiny", *argv]), world)
+
+
+def test_float8_without_emulate_exits_2_with_one_line(monkeypatch, capsys, tmp_path):
+    from tessera.train import main
+
+    monkeypatch.setattr(validate_module, "_has_cuda", lambda: False)
+    assert main(["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path), *F8[:2]]) == 2
+    assert capsys.readouterr().err.startswith("tessera: quantize.linear.float8: needs a CUDA GPU")
+
+
+def test_converter_checks_the_gpu_itself(monkeypatch):
+    """validate() only knows whether there is a GPU; the converter reads its compute capability."""
+    from tessera.parallel.quantize import FLOAT8, MX, check_hardware
+
+    with pytest.raises(ConfigError, match=r"float8: needs .* >= 8\.9, but this run has a cpu device"):
+        check_hardware(FLOAT8, False, torch.device("cpu"))
+    check_hardware(FLOAT8, True, torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"has compute capability 8\.0"):
+        check_hardware(FLOAT8, False, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_hardware(FLOAT8, False, cuda)
+    with pytest.raises(ConfigError, match=r"mx: needs .* >= 10\.0"):
+        check_hardware(MX, False, cuda)
+
+
+# ---------------------------------------------------------------- 2 ranks: FSDP memory knobs, float8 all-gather
+
+FSDP_CASES = {
+    "base": [],
+    "cpu_offload": ["--training.enable_cpu_offload"],
+    "reshard_always": ["--parallelism.fsdp_reshard_after_forward", "always"],
+    "reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
+    "float8": F8,
+    "float8_all_gather": [*F8, "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"],
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
+    flat = [a for case in FSDP_CASES.values() for a in ("--", "--training.local_batch_size", "2", *case)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out),
+           *flat]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return dict(zip(FSDP_CASES, torch.load(out), strict=True))
+
+
+def test_fsdp_2_ranks_matches_one_process(fsdp_runs, reference):
+    assert_matches(fsdp_runs["base"], reference, 1e-5)
+
+
+def test_cpu_offload_matches(fsdp_runs):
+    got, base = fsdp_runs["cpu_offload"], fsdp_runs["base"]
+    assert got["offloaded"] and set(got["offloaded"].values()) == {True}
+    assert set(base["offloaded"].values()) == {False}
+    assert got["param_devices"] == {"cpu"} and got["optimizer"] == "foreach"
+    assert_matches(got, base, 1e-5)
+
+
+def test_reshard_after_forward(fsdp_runs):
+    # Per FSDP group (each block, then the root ""): does forward free the gathered parameters?
+    blocks = {"layers.0": True, "layers.1": True}
+    assert fsdp_runs["base"]["reshard"] == {**blocks, "": False}
+    assert fsdp_runs["reshard_always"]["reshard"] == {**blocks, "": True}
+    assert fsdp_runs["reshard_never"]["reshard"] == {"layers.0": False, "layers.1": False, "": False}
+    for name in ("reshard_always", "reshard_never"):
+        assert_matches(fsdp_runs[name], fsdp_runs["base"], 1e-5)
+
+
+def test_float8_all_gather_2_ranks(fsdp_runs):
+    f8, gathered, base = fsdp_runs["float8"], fsdp_runs["float8_all_gather"], fsdp_runs["base"]
+    assert gathered["weight_types"]["WeightWithDynamicFloat8CastTensor"] == 2 * LINEARS_PER_BLOCK
+    assert "WeightWithDynamicFloat8CastTensor" not in f8["weight_types"]
+    assert gathered["float8_all_gathers"] > 0 and f8["float8_all_gathers"] == 0
+    assert gathered["precomputed_scales"] == 2 * LINEARS_PER_BLOCK and f8["precomputed_scales"] == 0
+    # Tensorwise scales are global amaxes, so casting shards before the gather equals casting after it.
+    assert_matches(gathered, f8, 1e-5)
+    for got, want in zip(gathered["losses"], base["losses"], strict=True):
+        assert abs(got - want) <= LOW_PRECISION_TOL
+    assert gathered["losses"] != base["losses"]
+
+
+def _worker(out: str, cases: list[list[str]]) -> None:
+    """Under torchrun: each case's losses and step-1 grads, plus what FSDP and float8 were set up to do."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchao.float8 import fsdp_utils
+
+
+    gathers = collections.Counter()
+    pre_all_gather = fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    @functools.wraps(pre_all_gather)  # FSDP reads its signature
+    def counting_pre_all_gather(self, *args, **kwargs):
+        inputs, metadata = pre_all_gather(self, *args, **kwargs)
+        gathers[str(inputs[0].dtype)] += 1
+        return inputs, metadata
+
+    fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = counting_pre_all_gather
+    results = []
+    for argv in cases:
+        gathers.clear()
+        tr, run = _run(argv)
+        groups = {n: m._get_fsdp_state()._fsdp_param_group for n, m in tr.model.named_modules()
+                  if isinstance(m, FSDPModule)}
+        group = tr.optimizer.param_groups[0]
+        results.append({
+            **run,
+            "offloaded": {n: all(p.offload_to_cpu for p in g.fsdp_params) for n, g in groups.items()},
+            "reshard": {n: g.post_forward_mesh_info is not None for n, g in groups.items()},
+            "param_devices": {p.device.type for p in tr.model.parameters()},
+            "optimizer": "fused" if group["fused"] else "foreach" if group["foreach"] else "for-loop",
+            "weight_types": collections.Counter(type(local_tensor(p)).__name__ for p in tr.model.parameters()),
+            "float8_all_gathers": sum(n for dtype, n in gathers.items() if "float8" in dtype),
+            "precomputed_scales": sum(getattr(local_tensor(p), "_precomputed_scale", None) is not None
+                                      for p in tr.model.parameters()),
+        })
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def local_tensor(p):
+    from torch.distributed.tensor import DTensor
+
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], split_cases(sys.argv[2:]))
