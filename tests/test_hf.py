@@ -328,3 +328,23 @@ def _fsdp_worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _fsdp_worker(Path(sys.argv[1]))
+
+
+# --- through the trainer: start from HF weights, finish with an HF export ---------------------------------------
+
+
+def test_trainer_imports_and_exports_hf(tmp_path):
+    from tests.launch import run_local
+
+    args = _args(vocab_size=258)  # the byte tokenizer's vocabulary, which the trainer's "tiny" takes
+    theirs = _theirs(args, seed=3)
+    theirs.save_pretrained(tmp_path / "hf_in")
+    # lr 0: the step leaves the weights as imported, so the export must equal the HF model exactly.
+    run_local(tmp_path / "run", "--training.steps", "1", "--optimizer.lr", "0", "--checkpoint.enable",
+              "--checkpoint.initial_load_path", str(tmp_path / "hf_in"), "--checkpoint.initial_load_in_hf",
+              "--checkpoint.last_save_in_hf")
+    out = tmp_path / "run/checkpoint/step-1"
+    assert (out / ".complete").exists() and (out / "config.json").exists()
+    exported = _pretrained(out)
+    for name, value in theirs.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0)
