@@ -16,7 +16,7 @@ from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
 from tessera.parallel.cp import shard_sequence
 from tessera.parallel.tp import local, loss_context
-from tessera.trainer import Trainer, build_trainer, loss_fn
+from tessera.trainer import Trainer, build_trainer
 
 log = logging.getLogger("tessera")
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +25,7 @@ from tessera.models.llama3.model import Transformer
 from tessera.parallel.ac import apply_ac, op_policy
 from tessera.parallel.init import bare_name, materialize
 from tests.dist_worker import _trainer, full_params, run_grads, split_cases
-from tests.launch import ROOT, assert_matches
+from tests.launch import ROOT, assert_matches, resume_copy, run_cases
 
 STEPS = 3
 BATCH = ["--training.local_batch_size", "4"]
@@ -380,12 +379,29 @@ def test_float8_all_gather_2_ranks(fsdp_runs):
     assert gathered["losses"] != base["losses"]
 
 
+def test_checkpoint_with_ac_float8_offload_resumes_and_loads_plain(tmp_path):
+    """Saved keys are the bare model's: the run resumes exactly, and a run without the features loads it."""
+    features = ["--activation_checkpoint.mode", "full", "--training.enable_cpu_offload",
+                "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", *F8]
+    ckpt = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.keep_latest_k", "0"]
+    (first,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "a"), *ckpt, *features]], 4, mode="train")
+    resumed, plain = run_cases(2, tmp_path, [
+        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "b", 2)), *ckpt, *features],
+        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "c", 2)), *ckpt]], 4, mode="train")
+    assert resumed["start"] == plain["start"] == 2
+    assert resumed["losses"] == {3: first["losses"][3], 4: first["losses"][4]}
+    for name, value in resumed["params"].items():
+        assert torch.equal(value, first["params"][name]), name
+    assert abs(plain["losses"][3] - first["losses"][3]) <= LOW_PRECISION_TOL
+
+
 def _worker(out: str, cases: list[list[str]]) -> None:
     """Under torchrun: each case's losses and step-1 grads, plus what FSDP and float8 were set up to do."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torchao.float8 import fsdp_utils
-
 
     gathers = collections.Counter()
     pre_all_gather = fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
