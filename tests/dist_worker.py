@@ -41,18 +41,22 @@ def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
     return {n: t for part in everyone for n, t in part.items()}
 
 
+def step_and_record(tr, steps: int) -> dict:
+    """Per-step losses, step-1 gradients and final parameters of `steps` train steps."""
+    losses, grads = [], None
+    for step in range(steps):
+        loss, _, _ = train_step(tr)
+        tr.step += 1
+        losses.append(dp_mean(loss, tr.world))
+        if step == 0:
+            grads = full_params(tr.model, "grad")
+    tr.metrics.close()
+    return {"losses": losses, "grads": grads, "params": full_params(tr.model)}
+
+
 def run_grads(argv: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as dump:
-        tr = _trainer(argv, steps, dump)
-        losses, grads = [], None
-        for step in range(steps):
-            loss, _, _ = train_step(tr)
-            tr.step += 1
-            losses.append(dp_mean(loss, tr.world))
-            if step == 0:
-                grads = full_params(tr.model, "grad")
-        tr.metrics.close()
-        return {"losses": losses, "grads": grads, "params": full_params(tr.model)}
+        return step_and_record(_trainer(argv, steps, dump), steps)
 
 
 def run_train(argv: list[str], steps: int) -> dict:

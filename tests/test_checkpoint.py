@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

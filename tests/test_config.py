@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
-from tessera.config.manager import _leaves
+from tessera.config.manager import _flatten_toml, _leaves
 from tessera.config.validate import _NOT_YET, validate
 from tests.launch import ROOT, torchrun
 
@@ -374,14 +374,6 @@ def test_to_toml_round_trips(tmp_path, changes):
 # Shipped configs
 
 
-def flatten(table: dict, prefix: str = ""):
-    for k, v in table.items():
-        if isinstance(v, dict):
-            yield from flatten(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
 
@@ -394,7 +386,7 @@ def test_shipped_config_parses(name):
     path = str(CONFIGS / name)
     cfg = parse_args(["--job.config_file", path])
     with open(path, "rb") as fh:
-        for key, value in flatten(tomllib.load(fh)):
+        for key, value in _flatten_toml(tomllib.load(fh)):
             assert get(cfg, key) == value, key
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from tessera.models.llama3.args import FLAVORS, Llama3Args
+from tessera.models.llama3.args import FLAVORS
 from tessera.models.llama3.hf import from_hf, hf_config, to_hf
 from tessera.models.llama3.model import Transformer, num_params
 from tessera.parallel.init import materialize

@@ -24,7 +24,7 @@ from tessera.models.llama3.args import FLAVORS, Llama3Args
 from tessera.models.llama3.model import Transformer
 from tessera.parallel.ac import apply_ac, op_policy
 from tessera.parallel.init import bare_name, materialize
-from tests.dist_worker import _trainer, full_params, run_grads, split_cases
+from tests.dist_worker import _trainer, full_params, run_grads, split_cases, step_and_record
 from tests.launch import ROOT, assert_matches, resume_copy, run_cases
 
 STEPS = 3
@@ -49,19 +49,9 @@ def reference():
 
 def _run(argv: list[str], steps: int = STEPS):
     """run_grads (per-step losses, step-1 gradients), also returning the trainer for inspection."""
-    from tessera.train import dp_mean, train_step
-
     with tempfile.TemporaryDirectory() as dump:
         tr = _trainer(argv, steps, dump)
-        losses, grads = [], None
-        for _ in range(steps):
-            loss, _, _ = train_step(tr)
-            tr.step += 1
-            losses.append(dp_mean(loss, tr.world))
-            if grads is None:
-                grads = full_params(tr.model, "grad")
-        tr.metrics.close()
-    return tr, {"losses": losses, "grads": grads}
+        return tr, step_and_record(tr, steps)
 
 
 def _tiny(**changes) -> nn.Module:

@@ -3,7 +3,6 @@
 import json
 import tomllib
 
-import pytest
 
 from tests.launch import run_local
 
