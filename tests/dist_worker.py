@@ -42,16 +42,17 @@ def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
 
 
 def step_and_record(tr, steps: int) -> dict:
-    """Per-step losses, step-1 gradients and final parameters of `steps` train steps."""
-    losses, grads = [], None
+    """Per-step losses and global grad norms, step-1 gradients and final parameters of `steps` train steps."""
+    losses, norms, grads = [], [], None
     for step in range(steps):
-        loss, _, _ = train_step(tr)
+        loss, norm, _ = train_step(tr)
         tr.step += 1
         losses.append(dp_mean(loss, tr.world))
+        norms.append(norm.item())
         if step == 0:
             grads = full_params(tr.model, "grad")
     tr.metrics.close()
-    return {"losses": losses, "grads": grads, "params": full_params(tr.model)}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "params": full_params(tr.model)}
 
 
 def run_grads(argv: list[str], steps: int) -> dict:

@@ -59,12 +59,13 @@ def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, mod
 
 
 def assert_matches(got: dict, ref: dict, tol: float, what: tuple[str, ...] = ("grads",)) -> None:
-    """Per-step losses, and step-1 gradients and/or final parameters, equal the reference within `tol`
-    (relative to max(1, |ref|) for losses)."""
+    """Per-step losses and global grad norms, and step-1 gradients and/or final parameters, equal the
+    reference within `tol` (relative to max(1, |ref|) for the per-step series)."""
     import torch
 
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        assert abs(a - b) <= tol * max(1.0, abs(b)), f"step {step + 1}: loss {a} vs reference {b}"
+    for series in ("losses", "grad_norms"):
+        for step, (a, b) in enumerate(zip(got.get(series, []), ref.get(series, []), strict=True)):
+            assert abs(a - b) <= tol * max(1.0, abs(b)), f"step {step + 1}: {series} {a} vs reference {b}"
     for key in what:
         assert got[key].keys() == ref[key].keys()
         for name, g in got[key].items():

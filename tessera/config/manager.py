@@ -6,7 +6,6 @@ Torch-free on purpose: `run_train.sh` checks a config in well under a second bef
 import dataclasses
 import difflib
 import os
-import sys
 import tomllib
 import types
 import typing
@@ -176,25 +175,3 @@ def help_text() -> str:
         extra = f" {{{'|'.join(map(str, choices))}}}" if choices else ""
         lines.append(f"  --{key:<46} {f.metadata['doc']} (default: {default!r}){extra}")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`python -m tessera.config [--world-size N] [flags]`: validate only, for launch scripts."""
-    from tessera.config.validate import validate
-
-    world_size = 1
-    if argv[:1] == ["--world-size"]:
-        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
-            print(f"tessera: --world-size: expected a positive integer (NGPU x nodes), got {argv[1:2]}",
-                  file=sys.stderr)
-            return 2
-        world_size, argv = int(argv[1]), argv[2:]
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return 0
-    try:
-        validate(parse_args(argv), world_size)
-    except ConfigError as e:
-        print(f"tessera: {e}", file=sys.stderr)
-        return 2
-    return 0
