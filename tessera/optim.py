@@ -46,8 +46,8 @@ def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Global L2 norm over every gradient, whatever its sharding; clips when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(norm, DTensor):
         # A norm of sharded grads is a partial result; full_tensor() reduces it over the mesh.
         norm = norm.full_tensor()
@@ -56,5 +56,5 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
         torch.distributed.all_reduce(norm, group=pp_group)
         norm = norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)  # takes params, not grads
     return norm

@@ -84,14 +84,22 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     loss_total = pp_share(loss_total, tr)
     grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm,
                                 pp_group=tr.pipeline.group if tr.pipeline else None)
-    if not torch.isfinite(loss_total + grad_norm).item():
-        raise NonFiniteError(f"step {tr.step + 1}: non-finite loss {loss_total.item()} or grad norm "
-                             f"{grad_norm.item()}; lower optimizer.lr, check the data, or raise warmup")
+    # Recorded on the device and checked at log and save time: a check per step would stall the GPU queue.
+    bad = ~torch.isfinite(loss_total + grad_norm)
+    if tr.first_nonfinite is None:
+        tr.first_nonfinite = torch.full((), float("inf"), device=tr.world.device)
+    tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.step + 1), tr.first_nonfinite)
     tr.optimizer.step()
     if tr.after_optimizer_step is not None:
         tr.after_optimizer_step()
     tr.scheduler.step()
     return loss_total, grad_norm, data_s
+
+
+def raise_if_nonfinite(tr: Trainer) -> None:
+    if tr.first_nonfinite is not None and (step := tr.first_nonfinite.item()) != float("inf"):
+        raise NonFiniteError(f"step {int(step)}: non-finite loss or grad norm; lower optimizer.lr, check the "
+                             f"data, or raise lr_scheduler.warmup_steps (no checkpoint was saved after it)")
 
 
 @torch.no_grad()
@@ -119,7 +127,10 @@ def train(tr: Trainer) -> None:
         tr.step += 1
         tr.tokens_seen += int(tokens_per_step * tr.world.size)
         window_data_s, window_steps = window_data_s + data_s, window_steps + 1
-        if tr.step % m.log_freq == 0 or tr.step == t.steps:
+        last = tr.step == t.steps
+        if tr.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.step, last):
+            raise_if_nonfinite(tr)
+        if tr.step % m.log_freq == 0 or last:
             if tr.world.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start

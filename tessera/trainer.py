@@ -22,6 +22,7 @@ from tessera.models.llama3.model import num_params
 from tessera.optim import build_lr_scheduler, build_optimizer
 from tessera.parallel import cp, pp, pp_layout
 from tessera.parallel.compile import compile_loss
+from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
 
@@ -56,6 +57,7 @@ class Trainer:
     loss_parallel: bool
     step: int = 0
     tokens_seen: int = 0
+    first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
     loss_fn: Callable | None = None  # loss_fn below, compiled when compile.components holds "loss"
     after_optimizer_step: Callable[[], None] | None = None  # e.g. float8 scale precompute for FSDP
@@ -151,7 +153,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
              f"grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
-    mixed = world.dp_mesh() is None and t.mixed_precision_param == "bfloat16"
+    mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,

@@ -6,6 +6,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision(training, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype of parameters, gradient-reduction dtype); "auto" = bf16 on accelerators, fp32 on CPU
+    (where bf16 matmuls are slower than fp32 without AVX-512/AMX)."""
+    name = training.mixed_precision_param
+    if name == "auto":
+        name = "float32" if device.type == "cpu" else "bfloat16"
+    return _DTYPES[name], _DTYPES[training.mixed_precision_reduce]
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], *, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: str = "default", cpu_offload: bool = False) -> None:
     """`mesh` is 1D (FSDP) or 2D (replicate, shard) for HSDP.

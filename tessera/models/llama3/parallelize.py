@@ -1,7 +1,6 @@
 """Llama 3's parallelism plan: which pieces each feature applies to, in which order (converters, TP, CP,
 AC, compile, FSDP)."""
 
-import torch
 from torch import nn
 
 from tessera.config import JobConfig
@@ -9,22 +8,13 @@ from tessera.distributed import World
 from tessera.parallel.ac import apply_ac
 from tessera.parallel.compile import apply_compile
 from tessera.parallel.cp import apply_cp
-from tessera.parallel.fsdp import apply_fsdp
+from tessera.parallel.fsdp import apply_fsdp, mixed_precision
 from tessera.parallel.quantize import apply_converters
 from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 BLOCK_TP_PLAN = block_plan(attention="attention", attn_in=("wq", "wk", "wv"), attn_out="wo",
                            ffn="feed_forward", ffn_in=("w1", "w3"), ffn_out="w2",
                            norms=("attention_norm", "ffn_norm"))
-
-
-def param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    name = cfg.training.mixed_precision_param
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
 
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
@@ -43,9 +33,8 @@ def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
         apply_compile(model.layers)
     dp_mesh = world.dp_mesh()
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, list(model.layers.values()),
-                   param_dtype=param_dtype(cfg, world.device),
-                   reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
+        param_dtype, reduce_dtype = mixed_precision(cfg.training, world.device)
+        apply_fsdp(model, dp_mesh, list(model.layers.values()), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=p.fsdp_reshard_after_forward,
                    cpu_offload=cfg.training.enable_cpu_offload)
     return model
