@@ -177,3 +177,12 @@ def test_bf16_model_only_export_and_dcp_to_torch_cli(tmp_path):
     for name, value in saved["model"].items():
         assert value.dtype == torch.bfloat16
         torch.testing.assert_close(value, res["params"][name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_exclude_from_loading_restarts_that_part(tmp_path):
+    full = run_train(["--job.dump_folder", str(tmp_path / "full"), *CKPT], 8)
+    resumed = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "full", tmp_path / "r", 4)), *CKPT,
+                         "--checkpoint.exclude_from_loading", "dataloader"], 8)
+    assert resumed["start"] == 4
+    assert resumed["samples"][5] == full["samples"][1]  # the data stream started over; the model did not
+    assert resumed["losses"][5] != full["losses"][1]

@@ -1,0 +1,129 @@
+"""What the benchmarks share: trainer flags, a one-process trainer, alternating timed rounds, a memory meter, JSON."""
+
+import atexit
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+from tessera.config import parse_args  # noqa: E402
+from tessera.config.validate import validate  # noqa: E402
+from tessera.distributed import init_world  # noqa: E402
+from tessera.trainer import Trainer, build_trainer  # noqa: E402
+
+COMPILE = ["--compile.enable"]
+AC = {"none": [], "full": ["--activation_checkpoint.mode", "full"],
+      "selective_op": ["--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.selective_ac_option", "op"]}
+FLOAT8 = ["--model.converters", "quantize.linear.float8"]
+_DUMPS: list[tempfile.TemporaryDirectory] = []
+atexit.register(lambda: [d.cleanup() for d in _DUMPS])
+
+
+def tessera_argv(flavor: str, seq_len: int, batch: int, steps: int, lr: float = 8e-4, log_freq: int = 10**9,
+                 dump: str | None = None) -> list[str]:
+    """Trainer flags for a benchmark: constant lr (no warmup, no decay), like a plain loop; bf16 on CUDA."""
+    argv = ["--model.flavor", flavor, "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch),
+            "--training.steps", str(steps), "--optimizer.lr", str(lr), "--lr_scheduler.warmup_steps", "0",
+            "--lr_scheduler.decay_ratio", "0", "--metrics.log_freq", str(log_freq)]
+    argv += ["--job.dump_folder", dump] if dump else []
+    # On one GPU, "auto" does not enable autocast; ask for bf16 explicitly so every side computes in bf16.
+    return argv + (["--training.mixed_precision_param", "bfloat16"] if torch.cuda.is_available() else [])
+
+
+def make_trainer(argv: list[str]) -> Trainer:
+    """A one-process trainer from flags, writing to a temporary folder; keeps this process's thread count."""
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # one process, whatever launched us
+        os.environ.pop(key, None)
+    if "--job.dump_folder" not in argv:
+        _DUMPS.append(tempfile.TemporaryDirectory(prefix="tessera-bench-"))
+        argv = [*argv, "--job.dump_folder", _DUMPS[-1].name]
+    cfg = parse_args(argv)
+    threads = torch.get_num_threads()
+    world = init_world(validate(cfg, 1))
+    torch.set_num_threads(threads)  # init_world picks its own count on CPU
+    return build_trainer(cfg, world)
+
+
+def sync_for(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def gemm_setup(device: torch.device) -> tuple[torch.dtype, int]:
+    """(dtype, n) of the square GEMM whose measured FLOP/s is the MFU ceiling: fp32 on CPU, bf16 on GPU."""
+    return (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 1024)
+
+
+def timed(step: Callable[[int], torch.Tensor], warmup: int, steps: int, sync) -> dict:
+    """`warmup` untimed steps, then `steps` timed ones: steps/s, loss of the last step, seconds of the first."""
+    sync()
+    start = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        loss = step(i)
+        if i == 0:
+            sync()
+            first_s = time.perf_counter() - start
+    sync()
+    return {"steps_per_s": steps / (time.perf_counter() - start), "loss": float(loss), "first_step_s": first_s}
+
+
+def alternate(runs: dict[str, Callable[[int], torch.Tensor]], rounds: int, warmup: int, steps: int, sync,
+              tokens_per_step: int, before_each: Callable[[], None] = lambda: None) -> dict:
+    """Runs take turns (a, b, a, b, ...) so that background load hits each alike; per run: median tokens/s over
+    rounds, every round's, the loss after round 1 and round 1's first step in seconds (compilation included)."""
+    out = {name: {"rounds_tokens_per_s": []} for name in runs}
+    for r in range(rounds):
+        for name, step in runs.items():
+            before_each()
+            t = timed(step, warmup, steps, sync)
+            out[name]["rounds_tokens_per_s"].append(t["steps_per_s"] * tokens_per_step)
+            if r == 0:
+                out[name].update(loss_after_round_1=t["loss"], first_step_s=t["first_step_s"])
+            print(f"round {r + 1}/{rounds}  {name:<14} {out[name]['rounds_tokens_per_s'][-1]:>10,.0f} tokens/s  "
+                  f"loss {t['loss']:.4f}", flush=True)
+    for res in out.values():
+        res["tokens_per_s"] = statistics.median(res["rounds_tokens_per_s"])
+    return out
+
+
+class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of op outputs alive at once (activations, recomputations, gradients); deterministic on CPU.
+
+    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
+    saved tensors included) keeps it alive. Tensors made before entering (parameters) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def write_json(path: str | Path, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    print(f"  -> {path}")

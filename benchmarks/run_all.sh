@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The CPU benchmark suite in one command (~10 minutes on 2 cores), then a summary of every ratio with its target.
+# JSON lands in benchmarks/results/ (or $OUT): trainer.json, features.json, cp.json, summary.json.
+# The sizes below trade time for noise; each script's --help lists its options.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-benchmarks/results}
+rm -f "$OUT"/trainer.json "$OUT"/features.json "$OUT"/cp.json "$OUT"/summary.json
+
+echo "== 1-3: trainer vs plain eager loop, + compile, MFU, FSDP 2 ranks"
+$PY benchmarks/bench_trainer.py --compile --fsdp --steps 10 --warmup 2 --rounds 3 --out "$OUT/trainer.json"
+echo; echo "== 4: AC memory and time, Float8 (compile's speed-up is measured in the rounds above)"
+$PY benchmarks/bench_features.py --only ac,float8 --steps 4 --warmup 1 --rounds 2 --float8_steps 10 \
+    --out "$OUT/features.json"
+echo; echo "== context parallel"
+$PY benchmarks/bench_cp.py --seq_len 2048 --steps 3 --degrees 1,2 --out "$OUT/cp.json"
+$PY benchmarks/summary.py --results "$OUT"

@@ -1,0 +1,83 @@
+"""Every ratio the CPU suite measured, with its target, from the JSON files of one run_all.sh run.
+
+    python benchmarks/summary.py [--results benchmarks/results]
+
+Rows whose file or key is missing (a benchmark not run) are left out. `ok` is blank where the issue sets no
+target: the number is reported, with what an ideal value would be. Also written to summary.json.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def get(doc: dict, path: str):
+    for key in path.split("."):
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        doc = doc[key]
+    return doc
+
+
+def cp_row(doc: dict, degree: int, key: str):
+    return next((r[key] for r in (doc or {}).get("results", []) if r["cp"] == degree), None)
+
+
+def rows(t: dict, f: dict, c: dict) -> list[tuple]:
+    """(what, value, format, target, check or None)."""
+    def ac(mode: str, key: str):
+        return get(f, f"ac.{mode}.{key}")
+
+    return [
+        ("trainer / plain eager loop, tokens/s", get(t, "tessera_over_plain"), ".3f", ">= 1.0", lambda v: v >= 1.0),
+        ("trainer + compile / plain eager loop", get(t, "compiled_over_plain"), ".3f", ">= 1.3", lambda v: v >= 1.3),
+        ("MFU plain loop (vs measured GEMM)", get(t, "plain.mfu"), ".1%", "report", None),
+        ("MFU trainer", get(t, "tessera.mfu"), ".1%", "report", None),
+        ("MFU trainer + compile", get(t, "tessera_compiled.mfu"), ".1%", "report", None),
+        ("loss gap trainer vs plain, round 1", get(t, "tessera.loss_gap_round_1"), ".1e", "~0 (<= 1e-4)",
+         lambda v: v <= 1e-4),
+        ("FSDP 2 ranks / (2 x 1 rank), 1 thread", get(t, "fsdp.scaling_efficiency"), ".3f", "report (1.0 linear)",
+         None),
+        ("compile speed-up (trainer on / off)", get(t, "compile_speedup") or get(f, "compile.speedup"), ".3f",
+         "> 1.0", lambda v: v > 1.0),
+        ("compile first step, s (compilation)", get(t, "tessera_compiled.first_step_s") or
+         get(f, "compile.compiled.first_step_s"), ".1f", "report", None),
+        ("AC full: activation memory / none", ac("full", "memory_ratio"), ".3f", "< 0.6", lambda v: v < 0.6),
+        ("AC selective op: activation memory / none", ac("selective_op", "memory_ratio"), ".3f",
+         "< 1.0, > full's", lambda v: ac("full", "memory_ratio") < v < 1.0),
+        ("AC full: step time / none", ac("full", "time_ratio"), ".3f", "<= 1.5 (1 fwd extra)", lambda v: v <= 1.5),
+        ("AC selective op: step time / none", ac("selective_op", "time_ratio"), ".3f", "<= full's",
+         lambda v: v <= ac("full", "time_ratio")),
+        ("AC loss gap vs none (full, op), round 1", max(ac("full", "loss_gap_round_1") or 0,
+                                                        ac("selective_op", "loss_gap_round_1") or 0)
+         if get(f, "ac") else None, ".1e", "0 on CPU (exact)", lambda v: v <= 1e-6),
+        (f"float8 {'emulated ' if get(f, 'float8.emulated') else ''}loss gap / loss, {get(f, 'float8.steps')} steps",
+         get(f, "float8.loss_gap_relative"), ".2%", "<= 1%", lambda v: v <= 0.01),
+        ("float8 speed-up (GPU, both compiled)", get(f, "float8.speedup"), ".3f", "> 1.0", lambda v: v > 1.0),
+        ("CP 2 / CP 1 speed-up, 1 thread per rank", cp_row(c, 2, "speedup"), ".3f", "report (2.0 linear)", None),
+        ("CP 2 / CP 1 peak memory per rank", cp_row(c, 2, "memory_ratio"), ".3f", "< 1.0", lambda v: v < 1.0),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(RESULTS))
+    a = p.parse_args()
+    docs = [json.loads(path.read_text()) if path.exists() else {}
+            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json"))]
+    table = []
+    print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
+    for what, value, fmt, target, check in rows(*docs):
+        if value is None:
+            continue
+        ok = "" if check is None else ("yes" if check(value) else "NO")
+        table.append({"measure": what, "value": value, "target": target, "ok": ok})
+        print(f"{what:<46} {value:>9{fmt}}  {target:<22} {ok}")
+    Path(a.results, "summary.json").write_text(json.dumps(table, indent=2))
+    print(f"  -> {Path(a.results, 'summary.json')}")
+
+
+if __name__ == "__main__":
+    main()
