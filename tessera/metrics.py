@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("tessera")
 
@@ -55,6 +56,31 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return rss_kib / 2**20
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes of op outputs alive at once (activations, recomputations, gradients), counted the same
+    on every device: for activation-memory comparisons where the allocator's peak is not available (CPU).
+
+    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
+    saved tensors included) keeps it alive. Tensors made before entering (parameters) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
 
 
 def _eta(seconds: float) -> str:

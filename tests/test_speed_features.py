@@ -23,6 +23,7 @@ from tessera.config.validate import validate
 from tessera.models.llama3.args import FLAVORS, Llama3Args
 from tessera.models.llama3.model import Transformer
 from tessera.parallel.ac import apply_ac, op_policy
+from tessera.metrics import PeakLiveBytes
 from tessera.parallel.init import bare_name, materialize
 from tests.dist_worker import _trainer, full_params, run_grads, split_cases, step_and_record
 from tests.launch import ROOT, assert_matches, resume_copy, run_cases
@@ -108,30 +109,6 @@ def test_op_policy_saves_attention_and_every_other_matmul():
         assert policy(fwd, op) == save, op
     for op in (aten.add.Tensor, aten.silu.default, aten.mul.Tensor, aten.bmm.default):
         assert policy(fwd, op) == recompute, op
-
-
-class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of op outputs alive at once (activations, recomputations, gradients): deterministic on CPU.
-
-    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
-    saved tensors included) keeps it alive.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 def test_ac_lowers_peak_activation_memory():
