@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    AC, COMPILE, FLOAT8, RESULTS, PeakLiveBytes, alternate, make_trainer, sync_for, tessera_argv, write_json,
+from common import (  # noqa: E402, I001
+    AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, sync_for, tessera_argv, write_json,
 )
+from tessera.metrics import PeakLiveBytes  # noqa: E402
 from tessera.train import forward_backward, next_batch, train_step  # noqa: E402
 
 

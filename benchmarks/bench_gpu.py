@@ -13,7 +13,6 @@ one call of under 8 minutes.
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    AC, COMPILE, FLOAT8, RESULTS, ROOT, gemm_setup, make_trainer, sync_for, tessera_argv, timed, write_json,
+from common import (  # noqa: E402, I001
+    AC, COMPILE, FLOAT8, RESULTS, ROOT, child_env, gemm_setup, make_trainer, sync_for, tessera_argv, timed,
+    write_json,
 )
 
 CONFIGS = {"bf16": [], "compile": COMPILE, "compile_sac": COMPILE + AC["selective_op"],
@@ -55,7 +55,7 @@ def child(a) -> dict:
 def launch(a, flavor: str, config: str, batch: int, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", flavor, config, "--seq_len", str(a.seq_len), "--batch_size",
            str(batch), "--warmup", str(a.warmup), "--steps", str(a.steps)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = child_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:

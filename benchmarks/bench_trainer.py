@@ -10,7 +10,6 @@ background load hits every side alike. See benchmarks/README.md for what each nu
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    COMPILE, RESULTS, ROOT, alternate, gemm_setup, make_trainer, sync_for, tessera_argv, write_json,
+from common import (  # noqa: E402, I001
+    COMPILE, RESULTS, ROOT, alternate, child_env, gemm_setup, make_trainer, sync_for, tessera_argv, write_json,
 )
 from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
 from tessera.metrics import flops_per_token, measure_gemm_peak  # noqa: E402
@@ -59,7 +58,7 @@ def launch(a, nproc: int, tokens_per_step: int) -> float:
     """Aggregate tokens/s of the trainer under torchrun with `nproc` ranks at 1 thread each, from metrics.jsonl."""
     log_freq = max(1, a.warmup)
     with tempfile.TemporaryDirectory() as dump:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        env = child_env(OMP_NUM_THREADS="1")
         argv = tessera_argv(a.flavor, a.seq_len, a.local_batch_size, log_freq + a.steps, a.lr, log_freq, dump)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "tessera.train", *argv]

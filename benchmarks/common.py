@@ -1,4 +1,4 @@
-"""What the benchmarks share: trainer flags, a one-process trainer, alternating timed rounds, a memory meter, JSON."""
+"""What the benchmarks share: trainer flags, a one-process trainer, alternating timed rounds, JSON out."""
 
 import atexit
 import json
@@ -10,7 +10,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+_DUMPS: list[tempfile.TemporaryDirectory] = []
+atexit.register(lambda: [d.cleanup() for d in _DUMPS])
+# Compilation starts cold in each benchmark process, as on a fresh machine: no inductor or Triton cache carried
+# over from earlier runs or other configurations. Set TORCHINDUCTOR_CACHE_DIR to reuse one instead. (Here, before
+# any import of tessera: importing it fills in the default.)
+_COLD_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+if _COLD_CACHE:
+    _DUMPS.append(tempfile.TemporaryDirectory(prefix="tessera-bench-cache-", ignore_cleanup_errors=True))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _DUMPS[-1].name
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(_DUMPS[-1].name, "triton")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -26,8 +37,15 @@ AC = {"none": [], "full": ["--activation_checkpoint.mode", "full"],
       "selective_op": ["--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]}
 FLOAT8 = ["--model.converters", "quantize.linear.float8"]
-_DUMPS: list[tempfile.TemporaryDirectory] = []
-atexit.register(lambda: [d.cleanup() for d in _DUMPS])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a benchmark subprocess: finds tessera, and gets its own cold compile cache (unless set)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    if _COLD_CACHE:
+        env.pop("TORCHINDUCTOR_CACHE_DIR")
+        env.pop("TRITON_CACHE_DIR")
+    return env
 
 
 def tessera_argv(flavor: str, seq_len: int, batch: int, steps: int, lr: float = 8e-4, log_freq: int = 10**9,
@@ -46,7 +64,7 @@ def make_trainer(argv: list[str]) -> Trainer:
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # one process, whatever launched us
         os.environ.pop(key, None)
     if "--job.dump_folder" not in argv:
-        _DUMPS.append(tempfile.TemporaryDirectory(prefix="tessera-bench-"))
+        _DUMPS.append(tempfile.TemporaryDirectory(prefix="tessera-bench-", ignore_cleanup_errors=True))
         argv = [*argv, "--job.dump_folder", _DUMPS[-1].name]
     cfg = parse_args(argv)
     threads = torch.get_num_threads()
@@ -97,30 +115,6 @@ def alternate(runs: dict[str, Callable[[int], torch.Tensor]], rounds: int, warmu
     for res in out.values():
         res["tokens_per_s"] = statistics.median(res["rounds_tokens_per_s"])
     return out
-
-
-class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of op outputs alive at once (activations, recomputations, gradients); deterministic on CPU.
-
-    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
-    saved tensors included) keeps it alive. Tensors made before entering (parameters) are not counted.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 def write_json(path: str | Path, result: dict) -> None:

@@ -10,9 +10,9 @@ OUT=${OUT:-benchmarks/results}
 rm -f "$OUT"/trainer.json "$OUT"/features.json "$OUT"/cp.json "$OUT"/summary.json
 
 echo "== 1-3: trainer vs plain eager loop, + compile, MFU, FSDP 2 ranks"
-$PY benchmarks/bench_trainer.py --compile --fsdp --steps 10 --warmup 2 --rounds 3 --out "$OUT/trainer.json"
+$PY benchmarks/bench_trainer.py --compile --fsdp --steps 15 --warmup 2 --rounds 5 --out "$OUT/trainer.json"
 echo; echo "== 4: AC memory and time, Float8 (compile's speed-up is measured in the rounds above)"
-$PY benchmarks/bench_features.py --only ac,float8 --steps 4 --warmup 1 --rounds 2 --float8_steps 10 \
+$PY benchmarks/bench_features.py --only ac,float8 --steps 6 --warmup 1 --rounds 3 --float8_steps 10 \
     --out "$OUT/features.json"
 echo; echo "== context parallel"
 $PY benchmarks/bench_cp.py --seq_len 2048 --steps 3 --degrees 1,2 --out "$OUT/cp.json"
