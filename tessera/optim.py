@@ -9,13 +9,10 @@ from torch.distributed.tensor import DTensor
 from tessera.config.sections import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
-    impl = cfg.implementation
-    if impl == "auto":
-        # Fused kernels win on accelerators; on CPU (including FSDP CPU offload's host-resident params)
-        # foreach is the tested fast path with DTensor params.
-        on_cpu = device.type == "cpu" or any(p.device.type == "cpu" for p in model.parameters())
-        impl = "foreach" if on_cpu else "fused"
+def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+    # Fused kernels exist for CUDA and CPU and take DTensor (FSDP/TP) params; on a 2-core CPU the fused
+    # AdamW step of debugmodel takes 5 ms against 13-20 ms for foreach and the per-tensor loop.
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     return cls(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")

@@ -138,7 +138,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     args = model_args(cfg, tokenizer.vocab_size)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
     model, pipeline = build_model(cfg, world, args, grad_accum)
-    optimizer = build_optimizer(model, cfg.optimizer, world.device)
+    optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp)
     val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation") \

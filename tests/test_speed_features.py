@@ -319,7 +319,7 @@ def test_cpu_offload_matches(fsdp_runs):
     got, base = fsdp_runs["cpu_offload"], fsdp_runs["base"]
     assert got["offloaded"] and set(got["offloaded"].values()) == {True}
     assert set(base["offloaded"].values()) == {False}
-    assert got["param_devices"] == {"cpu"} and got["optimizer"] == "foreach"
+    assert got["param_devices"] == {"cpu"} and got["optimizer"] == "fused"
     assert_matches(got, base, 1e-5)
 
 
