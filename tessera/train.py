@@ -152,15 +152,20 @@ def train(tr: Trainer) -> None:
 
 
 def summarize(tr: Trainer) -> None:
+    dump = os.path.abspath(tr.cfg.job.dump_folder)
     if not tr.history:
+        log.info(f"nothing to train: the checkpoint in {dump} is already at step {tr.step} of "
+                 f"{tr.cfg.training.steps}; raise training.steps or pick another job.dump_folder")
         return
     mean_tps = sum(h["tps"] for h in tr.history) / len(tr.history)
-    dump = os.path.abspath(tr.cfg.job.dump_folder)
     log.info(f"done: {tr.step} steps, final loss {tr.history[-1]['loss']:.4f}, mean {mean_tps:,.0f} tokens/s "
              f"per device, {tr.tokens_seen:,} tokens seen")
-    log.info(f"config and metrics.jsonl in {dump}" +
-             (f"; TensorBoard: tensorboard --logdir {os.path.join(dump, tr.cfg.metrics.save_tb_folder)}"
-              if tr.cfg.metrics.enable_tensorboard else ""))
+    where = [f"config and metrics.jsonl in {dump}"]
+    if tr.cfg.checkpoint.enable:
+        where.append(f"checkpoints in {os.path.abspath(tr.checkpointer.root)}")
+    if tr.cfg.metrics.enable_tensorboard:
+        where.append(f"TensorBoard: tensorboard --logdir {os.path.join(dump, tr.cfg.metrics.save_tb_folder)}")
+    log.info("; ".join(where))
 
 
 def _fail(error: Exception, code: int) -> int:
