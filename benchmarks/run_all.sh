@@ -15,5 +15,5 @@ echo; echo "== 4: AC memory and time, Float8 (compile's speed-up is measured in 
 $PY benchmarks/bench_features.py --only ac,float8 --steps 6 --warmup 1 --rounds 3 --float8_steps 10 \
     --out "$OUT/features.json"
 echo; echo "== context parallel"
-$PY benchmarks/bench_cp.py --seq_len 2048 --steps 3 --degrees 1,2 --out "$OUT/cp.json"
+$PY benchmarks/bench_cp.py --seq_len 2048 --steps 2 --degrees 1,2,4 --out "$OUT/cp.json"
 $PY benchmarks/summary.py --results "$OUT"
