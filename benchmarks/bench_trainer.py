@@ -25,7 +25,8 @@ from common import (  # noqa: E402, I001
 from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
 from tessera.metrics import flops_per_token, measure_gemm_peak  # noqa: E402
 from tessera.models.llama3.args import FLAVORS, TAKES_TOKENIZER_VOCAB  # noqa: E402
-from tessera.models.llama3.model import Transformer, num_params  # noqa: E402
+from tessera.models import num_params  # noqa: E402
+from tessera.models.llama3.model import Transformer  # noqa: E402
 from tessera.parallel.init import materialize  # noqa: E402
 from tessera.train import train_step  # noqa: E402
 

@@ -18,7 +18,7 @@ from tessera.config.validate import check_vocab
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.distributed import World
 from tessera.metrics import MetricsLogger, flops_per_token, peak_flops
-from tessera.models.llama3.model import num_params
+from tessera.models import num_params
 from tessera.optim import build_lr_scheduler, build_optimizer
 from tessera.parallel import cp, pp, pp_layout
 from tessera.parallel.compile import compile_loss

@@ -7,7 +7,8 @@ import torch
 
 from tessera.models.llama3.args import FLAVORS
 from tessera.models.llama3.hf import from_hf, hf_config, to_hf
-from tessera.models.llama3.model import Transformer, num_params
+from tessera.models import num_params
+from tessera.models.llama3.model import Transformer
 from tessera.parallel.init import materialize
 
 

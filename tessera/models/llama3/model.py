@@ -146,9 +146,3 @@ class Transformer(nn.Module):
             std = 0.02 / math.sqrt(2 * (int(name.split(".")[1]) + 1)) if depth_scaled else 0.02
             nn.init.trunc_normal_(full, 0.0, std, -2 * std, 2 * std, generator=gen)
 
-
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and getattr(model, "output", None) is not None:
-        n -= model.tok_embeddings.weight.numel()
-    return n
