@@ -29,7 +29,7 @@ def worker(a) -> None:
     sys.path.insert(0, str(ROOT))
     from tessera.config import parse_args
     from tessera.config.validate import validate
-    from tessera.distributed import init_world, world_size_from_env
+    from tessera.distributed import init_world, shutdown, world_size_from_env
     from tessera.metrics import PeakLiveBytes, peak_memory_gib
     from tessera.train import train_step
     from tessera.trainer import build_trainer
@@ -54,6 +54,7 @@ def worker(a) -> None:
             Path(a.worker).write_text(json.dumps({"step_s": step_s, "live_gib": live.item(),
                                                   "peak_gib": peak_memory_gib(tr.world.device)}))
         tr.metrics.close()
+        shutdown(clean=True)
 
 
 def run(degree: int, a) -> dict:

@@ -66,6 +66,10 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
 
 
-def shutdown() -> None:
+def shutdown(clean: bool) -> None:
+    """After a clean run every rank meets once more first: gloo aborts a process now and then when one
+    rank closes its connections while a peer still has traffic on them."""
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

@@ -186,6 +186,7 @@ def main(argv: list[str]) -> int:
         return _fail(e, 2)
     world = init_world(dims)
     setup_logging(world.rank)
+    clean = False
     try:
         tr = build_trainer(cfg, world)
         if cfg.checkpoint.create_seed_checkpoint:
@@ -194,12 +195,13 @@ def main(argv: list[str]) -> int:
             train(tr)
             summarize(tr)
         tr.metrics.close()
+        clean = True
     except ConfigError as e:  # checks that need the tokenizer, the model or the checkpoint folder
         return _fail(e, 2)
     except (NonFiniteError, CorruptCheckpoint) as e:
         return _fail(e, 1)
     finally:
-        shutdown()
+        shutdown(clean)
     return 0
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tessera.config import parse_args
 from tessera.config.validate import validate
-from tessera.distributed import init_world, world_size_from_env
+from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.tp import local
 from tessera.train import dp_mean, train, train_step
 from tessera.trainer import build_trainer
@@ -100,4 +100,4 @@ if __name__ == "__main__":
     results = [run(case, steps) for case in split_cases(sys.argv[4:])]
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    shutdown(clean=True)

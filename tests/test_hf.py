@@ -303,6 +303,7 @@ def _fsdp_worker(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from tessera.distributed import shutdown
     from tessera.parallel.fsdp import apply_fsdp
 
     dist.init_process_group("gloo")
@@ -322,8 +323,7 @@ def _fsdp_worker(out: Path) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save(full, out / "loaded.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown(clean=True)
 
 
 if __name__ == "__main__":

@@ -370,6 +370,8 @@ def _worker(out: str, cases: list[list[str]]) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torchao.float8 import fsdp_utils
 
+    from tessera.distributed import shutdown
+
     gathers = collections.Counter()
     pre_all_gather = fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
 
@@ -400,7 +402,7 @@ def _worker(out: str, cases: list[list[str]]) -> None:
         })
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    shutdown(clean=True)
 
 
 def local_tensor(p):
