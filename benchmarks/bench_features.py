@@ -4,7 +4,7 @@
         [--local_batch_size 8] [--ac_seq_len 512] [--ac_batch 8] [--steps 10] [--warmup 2] [--rounds 3]
         [--float8_steps 10] [--threads N] [--out benchmarks/results/features.json]
 
-compile: trainer with compile.enable vs without (alternating rounds, medians; first step = compilation).
+compile: trainer with compile.enable vs without (steps interleaved, median of pairs; first step = compilation).
 ac: activation memory of one forward + backward with full / selective-op AC vs none, and the step-time cost.
 float8: loss after --float8_steps steps with Float8 linears vs without (emulated on CPU and pre-Ada GPUs, so
 only correctness there); on a GPU with float8 also the speed-up, both sides compiled.
@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402, I001
-    AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, sync_for, tessera_argv, write_json,
+    AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, paired_ratio, sync_for, tessera_argv, write_json,
 )
 from tessera.metrics import PeakLiveBytes  # noqa: E402
 from tessera.train import forward_backward, next_batch, train_step  # noqa: E402
 
 
 def compare(a, variants: dict[str, list[str]], seq_len: int, batch: int, rounds: int, warmup: int, steps: int):
-    """One trainer per variant (same flags plus its own), timed in alternating rounds of train_step."""
+    """One trainer per variant (same flags plus its own), their train_steps interleaved."""
     argv = tessera_argv(a.flavor, seq_len, batch, rounds * (warmup + steps) + 1, a.lr)
     trainers = {name: make_trainer(argv + extra) for name, extra in variants.items()}
     runs = {name: (lambda i, t=t: train_step(t)[0]) for name, t in trainers.items()}
@@ -54,7 +54,7 @@ def activation_bytes(tr) -> int:
 def bench_compile(a) -> dict:
     _, out = compare(a, {"eager": [], "compiled": COMPILE}, a.seq_len, a.local_batch_size, a.rounds, a.warmup,
                      a.steps)
-    speedup = out["compiled"]["tokens_per_s"] / out["eager"]["tokens_per_s"]
+    speedup = paired_ratio(out, "compiled", "eager")
     gap = abs(out["compiled"]["loss_after_round_1"] - out["eager"]["loss_after_round_1"])
     print(f"  compile speed-up {speedup:.3f}x (target > 1.0); first step {out['compiled']['first_step_s']:.1f}s "
           f"with compilation vs {out['eager']['first_step_s']:.1f}s eager; loss gap {gap:.2e}")
@@ -76,7 +76,7 @@ def bench_ac(a) -> dict:
     for mode, r in out.items():
         r |= timing[mode]
         r["memory_ratio"] = r["activation_mib"] / none["activation_mib"]
-        r["time_ratio"] = timing["none"]["tokens_per_s"] / r["tokens_per_s"]
+        r["time_ratio"] = paired_ratio(timing, "none", mode)
         r["loss_gap_round_1"] = abs(r["loss_after_round_1"] - timing["none"]["loss_after_round_1"])
         print(f"  {mode:<34} {r['activation_mib']:>14.1f} {r['memory_ratio']:>7.2f}x {r['tokens_per_s']:>10,.0f} "
               f"{r['time_ratio']:>11.2f}x {r['loss_after_round_1']:>8.4f}")
@@ -100,7 +100,7 @@ def bench_float8(a) -> dict:
           f"{lp['loss_after_round_1']:.4f} vs {hp['loss_after_round_1']:.4f}, gap {gap:.2e} "
           f"({res['loss_gap_relative']:.2%}; target <= 1%)")
     if native:
-        res["speedup"] = lp["tokens_per_s"] / hp["tokens_per_s"]
+        res["speedup"] = paired_ratio(out, "float8", "high_precision")
         print(f"  float8 speed-up {res['speedup']:.3f}x (both compiled)")
     return res
 
@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--ac_batch", type=int, default=8, help="batch of the AC runs")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of warm-up + timed steps, runs interleaved")
     p.add_argument("--float8_steps", type=int, default=10, help="steps before the float8 loss comparison")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (CPU)")

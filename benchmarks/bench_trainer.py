@@ -3,8 +3,8 @@
     python benchmarks/bench_trainer.py [--flavor debugmodel] [--seq_len 256] [--local_batch_size 8] [--steps 20]
         [--warmup 3] [--rounds 3] [--threads N] [--compile] [--fsdp] [--out benchmarks/results/trainer.json]
 
-Runs alternate (plain, tessera[, tessera compiled], plain, ...) and the median over rounds is reported, so
-background load hits every side alike. See benchmarks/README.md for what each number means.
+Runs take turns step by step (plain, tessera[, tessera compiled], plain, ...); ratios are medians of
+back-to-back step pairs, so background load hits every side alike. See benchmarks/README.md for what each number means.
 """
 
 import argparse
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402, I001
-    COMPILE, RESULTS, ROOT, alternate, child_env, gemm_setup, make_trainer, sync_for, tessera_argv, write_json,
+    COMPILE, RESULTS, ROOT, alternate, child_env, gemm_setup, make_trainer, paired_ratio, sync_for, tessera_argv,
+    write_json,
 )
 from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
 from tessera.metrics import flops_per_token, measure_gemm_peak  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> None:
     p.add_argument("--local_batch_size", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each run")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of warm-up + timed steps, runs interleaved")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (CPU)")
     p.add_argument("--compile", action="store_true", help="also run the trainer with compile.enable in the rounds")
@@ -114,7 +115,7 @@ def main() -> None:
     runs |= {name: (lambda i, t=t: train_step(t)[0]) for name, t in trainers.items()}
     peaks = []
     out = alternate(runs, a.rounds, a.warmup, a.steps, sync, tokens_per_step,
-                    before_each=lambda: peaks.append(measure_gemm_peak(device, gemm_dtype, gemm_n)))
+                    before_each_round=lambda: peaks.append(measure_gemm_peak(device, gemm_dtype, gemm_n)))
     peak = max(peaks)  # load only ever slows a GEMM down: the best sample is the ceiling
     res = {"device": str(device), "threads": torch.get_num_threads(), "flavor": a.flavor,
            "params": num_params(model), "seq_len": a.seq_len, "local_batch_size": a.local_batch_size,
@@ -129,10 +130,10 @@ def main() -> None:
               "compile_speedup": ("tessera_compiled", "tessera", "> 1.0")}
     ratios = {k: v for k, v in ratios.items() if v[0] in out}
     for key, (num, den, _) in ratios.items():
-        res[key] = out[num]["tokens_per_s"] / out[den]["tokens_per_s"]
+        res[key] = paired_ratio(out, num, den)
 
     print(f"\n{device.type}, {res['threads']} threads; llama3 {a.flavor} ({res['params'] / 1e6:.2f}M params), "
-          f"seq {a.seq_len} x batch {a.local_batch_size}, {a.steps} steps after {a.warmup}, median of {a.rounds} rounds")
+          f"seq {a.seq_len} x batch {a.local_batch_size}, {a.steps} steps after {a.warmup}, {a.rounds} rounds, steps interleaved")
     print(f"  GEMM peak ({res['gemm_dtype']}, n={gemm_n})  {res['gemm_peak_gflops']:10.1f} GFLOP/s")
     print(f"  {'':<20} {'tokens/s':>10} {'MFU':>7}  {'loss r1':>8} {'gap vs plain':>12} {'1st step s':>10}")
     for name in out:

@@ -99,22 +99,38 @@ def timed(step: Callable[[int], torch.Tensor], warmup: int, steps: int, sync) ->
 
 
 def alternate(runs: dict[str, Callable[[int], torch.Tensor]], rounds: int, warmup: int, steps: int, sync,
-              tokens_per_step: int, before_each: Callable[[], None] = lambda: None) -> dict:
-    """Runs take turns (a, b, a, b, ...) so that background load hits each alike; per run: median tokens/s over
-    rounds, every round's, the loss after round 1 and round 1's first step in seconds (compilation included)."""
-    out = {name: {"rounds_tokens_per_s": []} for name in runs}
+              tokens_per_step: int, before_each_round: Callable[[], None] = lambda: None) -> dict:
+    """Runs take turns step by step (a, b, a, b, ...), so that load swings, which last seconds here, hit each alike.
+    Each round: `warmup` untimed steps, then `steps` timed ones, per run. Per run: every timed step's seconds,
+    tokens/s from the median step, the loss after round 1 and the very first step's seconds (compilation included).
+    Compare runs with `paired_ratio`."""
+    out = {name: {"step_s": []} for name in runs}
     for r in range(rounds):
-        for name, step in runs.items():
-            before_each()
-            t = timed(step, warmup, steps, sync)
-            out[name]["rounds_tokens_per_s"].append(t["steps_per_s"] * tokens_per_step)
-            if r == 0:
-                out[name].update(loss_after_round_1=t["loss"], first_step_s=t["first_step_s"])
-            print(f"round {r + 1}/{rounds}  {name:<14} {out[name]['rounds_tokens_per_s'][-1]:>10,.0f} tokens/s  "
-                  f"loss {t['loss']:.4f}", flush=True)
+        before_each_round()
+        for i in range(warmup + steps):
+            for name, step in runs.items():
+                sync()
+                start = time.perf_counter()
+                loss = step(i)
+                sync()
+                seconds = time.perf_counter() - start
+                if i >= warmup:
+                    out[name]["step_s"].append(seconds)
+                if r == 0 and i == 0:
+                    out[name]["first_step_s"] = seconds
+                if r == 0 and i == warmup + steps - 1:
+                    out[name]["loss_after_round_1"] = float(loss)
+        print(f"round {r + 1}/{rounds}  " + "  ".join(
+            f"{name} {tokens_per_step / statistics.median(res['step_s'][-steps:]):,.0f}" for name, res in out.items())
+            + "  tokens/s", flush=True)
     for res in out.values():
-        res["tokens_per_s"] = statistics.median(res["rounds_tokens_per_s"])
+        res["tokens_per_s"] = tokens_per_step / statistics.median(res["step_s"])
     return out
+
+
+def paired_ratio(out: dict, faster: str, slower: str) -> float:
+    """How many times faster `faster` ran than `slower`: the median over their back-to-back timed steps."""
+    return statistics.median(s / f for f, s in zip(out[faster]["step_s"], out[slower]["step_s"], strict=True))
 
 
 def write_json(path: str | Path, result: dict) -> None:
