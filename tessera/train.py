@@ -105,7 +105,7 @@ def raise_if_nonfinite(tr: Trainer) -> None:
 @torch.no_grad()
 def validate_loss(tr: Trainer) -> float:
     tr.model.eval()
-    tr.val_loader.load_state_dict({"sample_index": 0})
+    tr.val_loader.rewind()
     total = torch.zeros((), device=tr.world.device)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = next_batch(tr, tr.val_loader)

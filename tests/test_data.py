@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tessera.config import JobConfig
+from tessera.config import ConfigError, JobConfig
 from tessera.data import TokenLoader, build_dataloader, build_tokenizer, documents
 from tessera.data.sources import _stdlib_files
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -34,14 +34,19 @@ def batches(loader: TokenLoader, n: int) -> list[tuple[torch.Tensor, torch.Tenso
     return [loader.next_batch() for _ in range(n)]
 
 
-def dp_batches(docs, seq_len: int, local: int, dp: int, n: int, state=None):
-    """n global batches from `dp` ranks, each rank's rows concatenated in rank order."""
-    loaders = [TokenLoader(ByteTokenizer(), docs, seq_len, local, rank, dp) for rank in range(dp)]
+def interleave(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Global batch order from per-rank batches: rank r holds global rows r, r + D, r + 2D, ..."""
+    return torch.stack(rows, dim=1).flatten(0, 1)
+
+
+def dp_batches(docs, seq_len: int, local: int, dp: int, n: int, state=None, streams: int = 1):
+    """n global batches from `dp` ranks, each in global sample order."""
+    loaders = [TokenLoader(ByteTokenizer(), docs, seq_len, local, rank, dp, streams) for rank in range(dp)]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
     per_rank = [batches(loader, n) for loader in loaders]
-    merged = [(torch.cat([r[i][0] for r in per_rank]), torch.cat([r[i][1] for r in per_rank])) for i in range(n)]
+    merged = [(interleave([r[i][0] for r in per_rank]), interleave([r[i][1] for r in per_rank])) for i in range(n)]
     return merged, per_rank, loaders
 
 
@@ -126,7 +131,7 @@ def test_exact_packing_and_epoch_wraparound():
     assert x1.dtype == torch.long and x1.shape == (2, 3)
     assert x1.tolist() == [w[:-1] for w in windows[:2]] and y1.tolist() == [w[1:] for w in windows[:2]]
     assert x2.tolist() == [w[:-1] for w in windows[2:4]] and y2.tolist() == [w[1:] for w in windows[2:4]]
-    assert loader.state_dict() == {"sample_index": 4}
+    assert loader.state_dict() == {"sample_index": 4, "streams": 1}
     x3, _ = loader.next_batch()
     assert x3[0].tolist() == windows[4][:-1]
     assert epochs_asked == [0, 1, 2]
@@ -149,35 +154,78 @@ def test_loader_uses_hf_tokenizer_per_document(tmp_path):
     assert x.tolist() == [stream[0:4], stream[5:9]] and y.tolist() == [stream[1:5], stream[6:10]]
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_dp_ranks_partition_the_single_rank_stream(dp):
+@pytest.mark.parametrize("dp, streams", [(2, 1), (4, 1), (2, 4), (4, 2), (3, 4)])
+def test_dp_ranks_partition_the_single_rank_stream(dp, streams):
     docs = random_corpus(20)
-    reference = batches(TokenLoader(ByteTokenizer(), docs, 7, 2 * dp, 0, 1), 6)
-    merged, per_rank, _ = dp_batches(docs, 7, 2, dp, 6)
+    reference = batches(TokenLoader(ByteTokenizer(), docs, 7, 2 * dp, 0, 1, streams), 6)
+    merged, per_rank, _ = dp_batches(docs, 7, 2, dp, 6, streams=streams)
     assert_same(merged, reference)
     assert not torch.equal(per_rank[0][0][0], per_rank[1][0][0])  # ranks see different samples
 
 
-def test_resume_matches_uninterrupted_across_dp_degrees():
+def test_streams_deal_documents_round_robin():
+    """Sample i is window i // S of stream i % S; stream s packs documents s, s + S, ... across epochs."""
+    texts = ["ab", "cde", "f", "ghij", "k"]
+    loader = TokenLoader(ByteTokenizer(), lambda e: iter(texts), seq_len=3, local_batch_size=1, streams=3)
+    docs = texts * 6  # the endless document sequence, epoch after epoch
+    packed = [[t for d in docs[s::3] for t in [B, *d.encode(), E]] for s in range(3)]
+    got = [loader.next_batch() for _ in range(12)]
+    for i, (x, y) in enumerate(got):
+        window = packed[i % 3][4 * (i // 3):4 * (i // 3) + 4]
+        assert x[0].tolist() == window[:-1] and y[0].tolist() == window[1:], i
+
+
+@pytest.mark.parametrize("dp, streams, share", [(1, 4, 1), (2, 4, 1 / 2), (4, 4, 1 / 4), (4, 2, 1 / 2), (3, 4, 1)])
+def test_each_rank_tokenizes_only_its_streams(dp, streams, share):
+    corpus = [f"document {i} " * 3 for i in range(4000)]
+    loaders = [TokenLoader(ByteTokenizer(), lambda e: iter(corpus), 32, 4, rank, dp, streams) for rank in range(dp)]
+    for loader in loaders:
+        batches(loader, 40)
+    # Each rank tokenizes `share` of the documents it read (round-robin: exact up to one round of S).
+    for loader in loaders:
+        assert loader._next_doc > 100
+        assert abs(loader.documents_tokenized - share * loader._next_doc) <= streams
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_resume_matches_uninterrupted_across_dp_degrees(streams):
     docs = random_corpus(10)  # ~150 tokens per epoch: the 10 steps below cross several epochs
-    reference = batches(TokenLoader(ByteTokenizer(), docs, 7, 4, 0, 1), 10)
-    head, _, loaders = dp_batches(docs, 7, 2, 2, 4)
+    reference = batches(TokenLoader(ByteTokenizer(), docs, 7, 4, 0, 1, streams), 10)
+    head, _, loaders = dp_batches(docs, 7, 2, 2, 4, streams=streams)
     assert_same(head, reference[:4])
     states = [loader.state_dict() for loader in loaders]
-    assert states == [{"sample_index": 16}] * 2
+    assert states == [{"sample_index": 16, "streams": streams}] * 2
     for local, dp in [(2, 2), (4, 1), (1, 4)]:
-        tail, _, _ = dp_batches(docs, 7, local, dp, 6, state=states[0])
+        tail, _, _ = dp_batches(docs, 7, local, dp, 6, state=states[0], streams=streams)
         assert_same(tail, reference[4:])
+
+
+def test_resume_at_a_position_off_the_new_dp_grid():
+    """After 5 samples on 1 rank, rank 0 of 2 draws from the odd streams: it must know it does."""
+    docs = random_corpus(10)
+    reference = torch.cat([x for x, _ in batches(TokenLoader(ByteTokenizer(), docs, 7, 1, 0, 1, 4), 21)])
+    first = TokenLoader(ByteTokenizer(), docs, 7, 5, 0, 1, 4)
+    first.next_batch()
+    tail, _, _ = dp_batches(docs, 7, 2, 2, 4, state=first.state_dict(), streams=4)
+    assert torch.equal(torch.cat([x for x, _ in tail]), reference[5:21])
+
+
+def test_resume_refuses_another_stream_count():
+    loader = TokenLoader(ByteTokenizer(), random_corpus(10), 7, 2, streams=4)
+    with pytest.raises(ConfigError, match="training.data_streams is 4 but the checkpoint's data was dealt to 2 "
+                                          "streams; set --training.data_streams 2"):
+        loader.load_state_dict({"sample_index": 8, "streams": 2})
 
 
 def test_build_dataloader_from_config():
     cfg = JobConfig()
     cfg.training.seq_len, cfg.training.local_batch_size = 16, 2
     loaders = [build_dataloader(cfg, ByteTokenizer(), rank, 2) for rank in range(2)]
+    assert loaders[0].streams == cfg.training.data_streams == 64
     x0, _ = loaders[0].next_batch()
     x1, _ = loaders[1].next_batch()
     single = build_dataloader(cfg, ByteTokenizer(), 0, 1)
-    assert torch.equal(torch.cat([single.next_batch()[0], single.next_batch()[0]]), torch.cat([x0, x1]))
+    assert torch.equal(torch.cat([single.next_batch()[0], single.next_batch()[0]]), interleave([x0, x1]))
     first_doc = next(documents("stdlib", "", "text", "train", 0, 0))
     assert x0[0].tolist() == [B] + list(first_doc.encode()[:15])
 

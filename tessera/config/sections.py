@@ -62,6 +62,9 @@ class Training:
     dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id ORG/NAME")
     dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; or a local copy of a hub dataset")
     dataset_text_field: str = opt("text", "field holding the document text in jsonl/parquet/hub rows")
+    data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
+                            "documents, 1/gcd(data_streams, DP degree) of them; part of the data order: keep it "
+                            "fixed for a run", min=1)
     seed: int = opt(0, "seed for initialization and data order", min=0)
     deterministic: bool = opt(False, "use deterministic kernels (bit-exact reruns, slower)")
     mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 on CPU",

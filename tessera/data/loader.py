@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from tessera.config import ConfigError
 from tessera.config.sections import JobConfig
 from tessera.data.sources import documents
 from tessera.data.tokenizer import ByteTokenizer, Tokenizer
@@ -14,18 +15,33 @@ from tessera.data.tokenizer import ByteTokenizer, Tokenizer
 _ENCODE_CHUNK = 64  # documents per encode call: amortizes per-call overhead while bounding buffered text
 
 
-class TokenLoader:
-    """An infinite stream of windows cut from the concatenation of `[bos] + doc + [eos]` over all documents.
+class _Stream:
+    """One packed stream: its unconsumed tokens and the number of the window they start at."""
 
-    Sample i is window i of `seq_len + 1` tokens (input = window[:-1], label = window[1:]). Samples are
-    numbered globally and each call hands rank r its slice of the next `local_batch_size * dp_degree`, so the
-    stream depends only on that global count: a checkpoint taken at one DP degree resumes exactly at another.
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int32)
+        self.pos = 0  # first unconsumed token in buf
+        self.window = 0  # the window that starts at pos
+        self.pending: list[np.ndarray] = []  # tokenized documents not yet in buf
+        self.skip = 0  # tokens still to drop as they arrive: windows consumed before a resume
+
+
+class TokenLoader:
+    """An infinite stream of windows of `seq_len + 1` tokens (input = window[:-1], label = window[1:]).
+
+    Documents are dealt round-robin to S = `streams` packed streams: stream s concatenates `[bos] + doc + [eos]`
+    over documents s, s + S, s + 2S, ... of the endless document sequence (epoch after epoch), cut into windows.
+    Global sample i is window i // S of stream i % S. Each call hands out the next `local_batch_size * dp_degree`
+    samples, rank r taking r, r + D, r + 2D, ... So the stream depends only on the global sample count and S:
+    a checkpoint taken at one DP degree resumes exactly at another. Rank r reads every document but tokenizes only
+    those of the streams it draws from, 1 / gcd(S, D) of them: tokenizing is what costs at scale.
     """
 
     def __init__(self, tokenizer: Tokenizer, docs: Callable[[int], Iterator[str]], seq_len: int,
-                 local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1):
-        if seq_len < 1 or local_batch_size < 1:
-            raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len} and {local_batch_size}")
+                 local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, streams: int = 1):
+        if seq_len < 1 or local_batch_size < 1 or streams < 1:
+            raise ValueError(f"seq_len, local_batch_size and streams must be >= 1, got {seq_len}, "
+                             f"{local_batch_size} and {streams}")
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
         self.tokenizer = tokenizer
@@ -33,69 +49,98 @@ class TokenLoader:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
+        self.streams = streams
         self._docs = docs
         self._window = seq_len + 1
-        self._restart()
+        self.documents_tokenized = 0
+        self._restart(0)
 
-    def _restart(self) -> None:
-        self.sample_index = 0  # global samples consumed, over all ranks
+    def _restart(self, sample_index: int) -> None:
+        """Read from the first document again, to hand out samples from `sample_index` on (global, all ranks).
+        Replaying is the only way to a position that does not depend on how documents were tokenized.
+        Each stream drops the tokens of windows before that as they arrive: a replay holds no more than a chunk."""
+        self.sample_index = sample_index
         self._epoch = 0
         self._doc_iter = iter(self._docs(0))
         self._epoch_has_docs = False
-        self._buf = np.empty(0, dtype=np.int64)
-        self._pos = 0  # first unconsumed token in _buf
+        self._next_doc = 0  # number of the next document read, counted over epochs
+        first, D, S = sample_index + self.dp_rank, self.dp_degree, self.streams
+        self._stream = {(first + D * m) % S: _Stream() for m in range(S)}  # the streams this rank draws from
+        for s, st in self._stream.items():
+            st.window = (sample_index - s + S - 1) // S  # samples below sample_index that fall in stream s
+            st.skip = st.window * self._window
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), both LongTensor [local_batch_size, seq_len], for this rank."""
-        n = self.local_batch_size
-        self._skip(self.dp_rank * n)
-        windows = self._take(n)
-        self._skip((self.dp_degree - 1 - self.dp_rank) * n)
-        return torch.tensor(windows[:, :-1]), torch.tensor(windows[:, 1:])
+        first = self.sample_index + self.dp_rank
+        windows = np.stack([self._take(first + self.dp_degree * j) for j in range(self.local_batch_size)])
+        self.sample_index += self.local_batch_size * self.dp_degree
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             yield self.next_batch()
 
+    def rewind(self) -> None:
+        """Back to the first sample (validation replays the same held-out samples each time)."""
+        self._restart(0)
+
     def state_dict(self) -> dict[str, int]:
-        return {"sample_index": self.sample_index}
+        return {"sample_index": self.sample_index, "streams": self.streams}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        # Replaying from the start is the only position that does not depend on how documents were tokenized
-        # and buffered; every rank replays the same global stream, so the DP layout may change across resume.
-        self._restart()
-        self._skip(int(state["sample_index"]))
+        saved = int(state.get("streams", 1))
+        if saved != self.streams:
+            raise ConfigError(f"training.data_streams is {self.streams} but the checkpoint's data was dealt to "
+                              f"{saved} streams; set --training.data_streams {saved} to resume this run")
+        self._restart(int(state["sample_index"]))
 
-    def _take(self, n: int) -> np.ndarray:
-        self._fill(n * self._window)
-        windows = self._buf[self._pos:self._pos + n * self._window].reshape(n, self._window)
-        self._pos += n * self._window
-        self.sample_index += n
-        return windows
+    def _take(self, sample: int) -> np.ndarray:
+        st, window = self._stream[sample % self.streams], sample // self.streams
+        # Windows between are other ranks': skip them whole buffered windows at a time.
+        while st.window < window:
+            self._fill(st, self._window)
+            k = min(window - st.window, (len(st.buf) - st.pos) // self._window)
+            st.pos, st.window = st.pos + k * self._window, st.window + k
+        self._fill(st, self._window)
+        st.pos, st.window = st.pos + self._window, st.window + 1
+        return st.buf[st.pos - self._window:st.pos]
 
-    def _skip(self, n: int) -> None:
-        # Whole buffered windows at a time, so skipping far ahead never holds more than one chunk of tokens.
-        while n > 0:
-            self._fill(self._window)
-            k = min(n, (len(self._buf) - self._pos) // self._window)
-            self._pos += k * self._window
-            self.sample_index += k
-            n -= k
-
-    def _fill(self, n_tokens: int) -> None:
-        """Make at least `n_tokens` unconsumed tokens available, dropping the consumed ones."""
-        pieces = [self._buf[self._pos:]]
+    def _fill(self, st: _Stream, n_tokens: int) -> None:
+        """Make at least `n_tokens` unconsumed tokens available in `st`, dropping the consumed ones."""
+        pieces = [st.buf[st.pos:]]
         available = len(pieces[0])
         while available < n_tokens:
-            pieces.append(self._encode(self._next_texts()))
-            available += len(pieces[-1])
+            while not st.pending:
+                self._deal()
+            pieces += st.pending
+            available += sum(len(p) for p in st.pending)
+            st.pending = []
         if len(pieces) > 1:
-            self._buf, self._pos = np.concatenate(pieces), 0
+            st.buf, st.pos = np.concatenate(pieces), 0
 
-    def _next_texts(self) -> list[str]:
-        """The next chunk of documents, moving on to the next epoch when this one runs out."""
+    def _deal(self) -> None:
+        """Read the next documents, enough to hold about a chunk of this rank's, and tokenize those in one call."""
+        texts, owners = [], []
+        while not texts:
+            for text in self._next_texts(_ENCODE_CHUNK * self.streams // len(self._stream)):
+                stream, self._next_doc = self._next_doc % self.streams, self._next_doc + 1
+                if stream in self._stream:
+                    texts.append(text)
+                    owners.append(stream)
+        for stream, ids in zip(owners, self._encode(texts), strict=True):
+            st = self._stream[stream]
+            drop = min(st.skip, len(ids))
+            st.skip -= drop
+            if drop < len(ids):
+                st.pending.append(ids[drop:])
+        self.documents_tokenized += len(texts)
+
+    def _next_texts(self, n: int) -> list[str]:
+        """Up to `n` next documents (fewer at the end of an epoch), moving on to the next epoch when it runs out."""
         while True:
-            texts = list(itertools.islice(self._doc_iter, _ENCODE_CHUNK))
+            texts = list(itertools.islice(self._doc_iter, n))
             if texts:
                 self._epoch_has_docs = True
                 return texts
@@ -106,7 +151,8 @@ class TokenLoader:
             self._doc_iter = iter(self._docs(self._epoch))
             self._epoch_has_docs = False
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        """Each document as `[bos] + ids + [eos]`, int32 (vocabularies are far below 2**31; halves the buffers)."""
         tok = self.tokenizer
         if isinstance(tok, ByteTokenizer):
             ids = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]  # skips a Python int per byte
@@ -114,8 +160,8 @@ class TokenLoader:
             ids = tok.encode_batch(texts)
         else:
             ids = [tok.encode(t) for t in texts]
-        bos, eos = np.array([tok.bos_id]), np.array([tok.eos_id])
-        return np.concatenate([part for doc in ids for part in (bos, np.asarray(doc, dtype=np.int64), eos)])
+        bos, eos = np.array([tok.bos_id], dtype=np.int32), np.array([tok.eos_id], dtype=np.int32)
+        return [np.concatenate([bos, np.asarray(doc, dtype=np.int32), eos]) for doc in ids]
 
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
@@ -123,4 +169,4 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degr
     """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks."""
     t = cfg.training
     docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed)
-    return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree)
+    return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams)
