@@ -25,7 +25,11 @@ def cp_row(doc: dict, degree: int, key: str):
     return next((r[key] for r in (doc or {}).get("results", []) if r["cp"] == degree), None)
 
 
-def rows(t: dict, f: dict, c: dict) -> list[tuple]:
+def data_row(doc: dict, degree: int):
+    return next((r["ratio"] for r in (doc or {}).get("results", []) if r["dp"] == degree), None)
+
+
+def rows(t: dict, f: dict, c: dict, d: dict) -> list[tuple]:
     """(what, value, format, target, check or None)."""
     def ac(mode: str, key: str):
         return get(f, f"ac.{mode}.{key}")
@@ -60,6 +64,8 @@ def rows(t: dict, f: dict, c: dict) -> list[tuple]:
         ("CP 2 / CP 1 step memory per rank", cp_row(c, 2, "memory_ratio"), ".3f", "< 1.0", lambda v: v < 1.0),
         ("CP 4 / CP 1 step memory per rank", cp_row(c, 4, "memory_ratio"), ".3f", "< CP 2's",
          lambda v: v < cp_row(c, 2, "memory_ratio")),
+        ("data, DP 8: rank's loader time, 64 / 1 streams", data_row(d, 8), ".3f", "~1/8 (<= 0.25)",
+         lambda v: v <= 0.25),
     ]
 
 
@@ -68,7 +74,7 @@ def main() -> None:
     p.add_argument("--results", default=str(RESULTS))
     a = p.parse_args()
     docs = [json.loads(path.read_text()) if path.exists() else {}
-            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json"))]
+            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json"))]
     table = []
     print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
     for what, value, fmt, target, check in rows(*docs):

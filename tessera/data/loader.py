@@ -16,13 +16,15 @@ _ENCODE_CHUNK = 64  # documents per encode call: amortizes per-call overhead whi
 
 
 class _Stream:
-    """One packed stream: its unconsumed tokens and the number of the window they start at."""
+    """One packed stream: its unconsumed tokens, the number of the window they start at, and documents read for
+    it but not yet tokenized (tokenized when the stream needs them, so a stream that others outran costs no
+    tokenizing)."""
 
     def __init__(self) -> None:
         self.buf = np.empty(0, dtype=np.int32)
         self.pos = 0  # first unconsumed token in buf
         self.window = 0  # the window that starts at pos
-        self.pending: list[np.ndarray] = []  # tokenized documents not yet in buf
+        self.texts: list[str] = []
         self.skip = 0  # tokens still to drop as they arrive: windows consumed before a resume
 
 
@@ -112,30 +114,24 @@ class TokenLoader:
         pieces = [st.buf[st.pos:]]
         available = len(pieces[0])
         while available < n_tokens:
-            while not st.pending:
+            while not st.texts:
                 self._deal()
-            pieces += st.pending
-            available += sum(len(p) for p in st.pending)
-            st.pending = []
+            for ids in self._encode(st.texts):
+                drop = min(st.skip, len(ids))
+                st.skip -= drop
+                pieces.append(ids[drop:])
+                available += len(ids) - drop
+            self.documents_tokenized += len(st.texts)
+            st.texts = []
         if len(pieces) > 1:
             st.buf, st.pos = np.concatenate(pieces), 0
 
     def _deal(self) -> None:
-        """Read the next documents, enough to hold about a chunk of this rank's, and tokenize those in one call."""
-        texts, owners = [], []
-        while not texts:
-            for text in self._next_texts(_ENCODE_CHUNK * self.streams // len(self._stream)):
-                stream, self._next_doc = self._next_doc % self.streams, self._next_doc + 1
-                if stream in self._stream:
-                    texts.append(text)
-                    owners.append(stream)
-        for stream, ids in zip(owners, self._encode(texts), strict=True):
-            st = self._stream[stream]
-            drop = min(st.skip, len(ids))
-            st.skip -= drop
-            if drop < len(ids):
-                st.pending.append(ids[drop:])
-        self.documents_tokenized += len(texts)
+        """Read the next documents, about a chunk of this rank's, and hand each to its stream."""
+        for text in self._next_texts(_ENCODE_CHUNK * self.streams // len(self._stream)):
+            stream, self._next_doc = self._next_doc % self.streams, self._next_doc + 1
+            if stream in self._stream:
+                self._stream[stream].texts.append(text)
 
     def _next_texts(self, n: int) -> list[str]:
         """Up to `n` next documents (fewer at the end of an epoch), moving on to the next epoch when it runs out."""
