@@ -133,9 +133,15 @@ def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"model.converters: unknown converter(s) {unknown}; choose from {_FLOAT8}, {_MX}")
     if _FLOAT8 in conv and _MX in conv:
         raise ConfigError(f"model.converters: {_FLOAT8} and {_MX} would convert the same linears; pick one")
-    if conv and dims.tp > 1:
-        raise ConfigError(f"model.converters: {', '.join(conv)} with tensor parallelism is not supported yet; "
-                          f"use FSDP (data_parallel_shard_degree) instead")
+    if _MX in conv and dims.tp > 1:
+        raise ConfigError(f"model.converters: {_MX} with tensor parallelism is not supported yet; use FSDP "
+                          f"(data_parallel_shard_degree) instead, or {_FLOAT8} with recipe_name = 'rowwise'")
+    if _FLOAT8 in conv and dims.tp > 1 and f8.recipe_name == "tensorwise":
+        # Checked on gloo: step-1 gradients of TP 2 with tensorwise float8 differ from the unsharded run by ~8%
+        # (rowwise: 1e-7), and torchao's float8 TP styles need float8 collectives, which gloo lacks.
+        raise ConfigError(f"{_FLOAT8}.recipe_name: 'tensorwise' with tensor parallelism is not supported: its "
+                          f"per-tensor scales of sharded activations and gradients do not match the unsharded "
+                          f"run; use recipe_name = 'rowwise' (or 'rowwise_with_gw_hp') with TP")
     for name, section in ((_FLOAT8, f8), (_MX, mx)):
         if name in conv and not section.emulate and not _has_cuda():
             raise ConfigError(f"{name}: needs a CUDA GPU (compute capability >= {'8.9' if name == _FLOAT8 else '10.0'})"
