@@ -97,8 +97,9 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn
                                     p.pipeline_parallel_last_stage_less_layers)
     # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
     share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
+    loss = training_loss(cfg)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
-                                    lambda out, labels: loss_fn(out, labels) / share)
+                                    lambda out, labels: loss(out, labels) / share)
     view = pp.parts_view(parts, family.FIRST_STAGE_MODULES + family.LAST_STAGE_MODULES)
     return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group())
 
@@ -109,6 +110,10 @@ def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
                 torch.device("cpu") if cfg.training.enable_cpu_offload else None)
     if world.dims.cp > 1:  # each rank holds its chunks of the sequence: give them their global positions
         cp.shard_rope(model, world.mesh["cp"], cfg.training.seq_len)
+
+
+def training_loss(cfg: JobConfig) -> Callable:
+    return compile_loss(loss_fn) if cfg.compile.enable and "loss" in cfg.compile.components else loss_fn
 
 
 def set_determinism(cfg: JobConfig) -> None:
@@ -159,8 +164,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank), grad_accum, fpt, peak, autocast,
                  loss_parallel)
-    compiled = cfg.compile.enable and "loss" in cfg.compile.components
-    tr.loss_fn = compile_loss(loss_fn) if compiled else loss_fn
+    tr.loss_fn = training_loss(cfg)
     tr.after_optimizer_step = post_optimizer_hook(model, cfg)
     tr.checkpointer.load(tr)
     return tr

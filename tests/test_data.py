@@ -211,6 +211,16 @@ def test_resume_at_a_position_off_the_new_dp_grid():
     assert torch.equal(torch.cat([x for x, _ in tail]), reference[5:21])
 
 
+def test_resume_replay_holds_little_text():
+    """Replaying to a far position tokenizes (and drops) each stream's documents as they arrive, instead of
+    keeping the replayed text of every stream but the one being read."""
+    loader = TokenLoader(ByteTokenizer(), random_corpus(10), 7, 1, streams=8)
+    loader.load_state_dict({"sample_index": 20_000, "streams": 8})
+    loader.next_batch()
+    assert loader._next_doc > 10_000
+    assert max(len(st.texts) for st in loader._stream.values()) <= 2 * 64
+
+
 def test_resume_refuses_another_stream_count():
     loader = TokenLoader(ByteTokenizer(), random_corpus(10), 7, 2, streams=4)
     with pytest.raises(ConfigError, match="training.data_streams is 4 but the checkpoint's data was dealt to 2 "

@@ -60,7 +60,7 @@ class TokenLoader:
     def _restart(self, sample_index: int) -> None:
         """Read from the first document again, to hand out samples from `sample_index` on (global, all ranks).
         Replaying is the only way to a position that does not depend on how documents were tokenized.
-        Each stream drops the tokens of windows before that as they arrive: a replay holds no more than a chunk."""
+        Each stream drops the tokens of windows before that as they arrive."""
         self.sample_index = sample_index
         self._epoch = 0
         self._doc_iter = iter(self._docs(0))
@@ -96,6 +96,8 @@ class TokenLoader:
         if saved != self.streams:
             raise ConfigError(f"training.data_streams is {self.streams} but the checkpoint's data was dealt to "
                               f"{saved} streams; set --training.data_streams {saved} to resume this run")
+        if int(state["sample_index"]) < 0:
+            raise ValueError(f"dataloader state: sample_index must be >= 0, got {state['sample_index']}")
         self._restart(int(state["sample_index"]))
 
     def _take(self, sample: int) -> np.ndarray:
@@ -110,21 +112,22 @@ class TokenLoader:
         return st.buf[st.pos - self._window:st.pos]
 
     def _fill(self, st: _Stream, n_tokens: int) -> None:
-        """Make at least `n_tokens` unconsumed tokens available in `st`, dropping the consumed ones."""
-        pieces = [st.buf[st.pos:]]
-        available = len(pieces[0])
-        while available < n_tokens:
+        """Make at least `n_tokens` unconsumed tokens available in `st`, a chunk of its documents at a time."""
+        while len(st.buf) - st.pos < n_tokens:
             while not st.texts:
                 self._deal()
-            for ids in self._encode(st.texts):
-                drop = min(st.skip, len(ids))
-                st.skip -= drop
-                pieces.append(ids[drop:])
-                available += len(ids) - drop
-            self.documents_tokenized += len(st.texts)
-            st.texts = []
-        if len(pieces) > 1:
-            st.buf, st.pos = np.concatenate(pieces), 0
+            self._tokenize(st, _ENCODE_CHUNK)
+
+    def _tokenize(self, st: _Stream, n_docs: int) -> None:
+        """Move `st`'s next `n_docs` documents into its buffer as tokens, dropping those still to skip."""
+        texts, st.texts = st.texts[:n_docs], st.texts[n_docs:]
+        pieces = [st.buf[st.pos:]]
+        for ids in self._encode(texts):
+            drop = min(st.skip, len(ids))
+            st.skip -= drop
+            pieces.append(ids[drop:])
+        st.buf, st.pos = np.concatenate(pieces), 0
+        self.documents_tokenized += len(texts)
 
     def _deal(self) -> None:
         """Read the next documents, about a chunk of this rank's, and hand each to its stream."""
@@ -132,6 +135,11 @@ class TokenLoader:
             stream, self._next_doc = self._next_doc % self.streams, self._next_doc + 1
             if stream in self._stream:
                 self._stream[stream].texts.append(text)
+        # While replaying to a resume position, every stream must tokenize what it skips anyway: do it as its
+        # documents arrive, so that the streams not being read meanwhile do not pile up the replayed text.
+        for st in self._stream.values():
+            if st.skip and len(st.texts) >= _ENCODE_CHUNK:
+                self._tokenize(st, len(st.texts))
 
     def _next_texts(self, n: int) -> list[str]:
         """Up to `n` next documents (fewer at the end of an epoch), moving on to the next epoch when it runs out."""
