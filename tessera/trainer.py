@@ -97,7 +97,7 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn
                                     p.pipeline_parallel_last_stage_less_layers)
     # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
     share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
-    loss = training_loss(cfg)
+    loss = training_loss(cfg, world)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
                                     lambda out, labels: loss(out, labels) / share)
     view = pp.parts_view(parts, family.FIRST_STAGE_MODULES + family.LAST_STAGE_MODULES)
@@ -112,8 +112,20 @@ def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
         cp.shard_rope(model, world.mesh["cp"], cfg.training.seq_len)
 
 
-def training_loss(cfg: JobConfig) -> Callable:
-    return compile_loss(loss_fn) if cfg.compile.enable and "loss" in cfg.compile.components else loss_fn
+def uses_loss_parallel(cfg: JobConfig, world: World) -> bool:
+    return world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+
+
+def training_loss(cfg: JobConfig, world: World) -> Callable:
+    """loss_fn, compiled when compile.components holds "loss", but not under loss parallel: compiled, the
+    cross-entropy of vocab-sharded logits came out TP times too large (torch 2.13), so it stays eager there."""
+    if not (cfg.compile.enable and "loss" in cfg.compile.components):
+        return loss_fn
+    if uses_loss_parallel(cfg, world):
+        log.info("compile: the loss stays eager under loss parallel (set parallelism.disable_loss_parallel to "
+                 "compile it on gathered logits)")
+        return loss_fn
+    return compile_loss(loss_fn)
 
 
 def set_determinism(cfg: JobConfig) -> None:
@@ -160,11 +172,11 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
-    loss_parallel = world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+    loss_parallel = uses_loss_parallel(cfg, world)
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank), grad_accum, fpt, peak, autocast,
                  loss_parallel)
-    tr.loss_fn = training_loss(cfg)
+    tr.loss_fn = training_loss(cfg, world)
     tr.after_optimizer_step = post_optimizer_hook(model, cfg)
     tr.checkpointer.load(tr)
     return tr

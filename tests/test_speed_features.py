@@ -159,6 +159,31 @@ def test_compile_matches_eager(caplog):
     assert len(timing) == 1, timing
 
 
+COMPILED_LAYOUTS = {
+    "TP 2, loss parallel (loss stays eager)": ["--training.local_batch_size", "4",
+                                               "--parallelism.tensor_parallel_degree", "2"],
+    "TP 2, compiled loss": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                            "--parallelism.disable_loss_parallel"],
+    "PP 2, 1F1B": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", "1F1B",
+                   "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    "FSDP 2, full AC": ["--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"],
+}
+
+
+def test_compile_matches_eager_under_tp_pp_fsdp_ac(tmp_path):
+    """Each layout compiled equals it eager (which the parallel tests hold to one process), 3 steps. Before
+    the fixes this caught: compiled TP blocks fed the embedding's in-flight reduce-scatter crashed in backward,
+    and a compiled loss on vocab-sharded logits was TP times too large."""
+    cases = [case for argv in COMPILED_LAYOUTS.values() for case in ([*argv, "--compile.enable"], argv)]
+    results = run_cases(2, tmp_path, cases, 3)
+    for i, layout in enumerate(COMPILED_LAYOUTS):
+        try:
+            assert_matches(results[2 * i], results[2 * i + 1], 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"{layout}: {e}") from None
+
+
 # ---------------------------------------------------------------- Float8 / MX
 
 def _float8_cfg(**changes):

@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -39,8 +40,18 @@ def root_plan(embedding: str, norm: str, output: str, loss_parallel: bool) -> di
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: dict[str, nn.Module], block: dict) -> None:
     parallelize_module(model, mesh, root)
+    for name, style in root.items():
+        if isinstance(style, RowwiseParallel) and style.use_local_output:
+            model.get_submodule(name).register_forward_hook(_settle)
     for module in blocks.values():
         parallelize_module(module, mesh, block)
+
+
+def _settle(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """A row-wise module's local output is still an AsyncCollectiveTensor (its reduce-scatter in flight). A
+    compiled block that takes one as input loses its gradient's DTensor wrapping in backward (torch 2.13:
+    "'Tensor' object has no attribute '_local_tensor'"); a clone waits for it and is a plain tensor."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:
