@@ -40,9 +40,10 @@ def root_plan(embedding: str, norm: str, output: str, loss_parallel: bool) -> di
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: dict[str, nn.Module], block: dict) -> None:
     parallelize_module(model, mesh, root)
-    for name, style in root.items():
+    for name, module in model.named_modules():  # a pipeline stage lacks some of the root's modules
+        style = root.get(name)
         if isinstance(style, RowwiseParallel) and style.use_local_output:
-            model.get_submodule(name).register_forward_hook(_settle)
+            module.register_forward_hook(_settle)
     for module in blocks.values():
         parallelize_module(module, mesh, block)
 
