@@ -75,8 +75,10 @@ def model_args(cfg: JobConfig, vocab_size: int):
     return args
 
 
-def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn.Module, Pipeline | None]:
-    """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights."""
+def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
+                loss: Callable) -> tuple[nn.Module, Pipeline | None]:
+    """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` is what
+    the pipeline schedule's last stage applies."""
     family = models.family(cfg.model.name)
     with torch.device("meta"):
         model = family.Transformer(args)
@@ -97,7 +99,6 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int) -> tuple[nn
                                     p.pipeline_parallel_last_stage_less_layers)
     # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
     share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
-    loss = training_loss(cfg, world)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
                                     lambda out, labels: loss(out, labels) / share)
     view = pp.parts_view(parts, family.FIRST_STAGE_MODULES + family.LAST_STAGE_MODULES)
@@ -154,7 +155,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     check_vocab(cfg, tokenizer.vocab_size, world.dims.tp)
     args = model_args(cfg, tokenizer.vocab_size)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
-    model, pipeline = build_model(cfg, world, args, grad_accum)
+    loss = training_loss(cfg, world)
+    model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp)
@@ -176,7 +178,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank), grad_accum, fpt, peak, autocast,
                  loss_parallel)
-    tr.loss_fn = training_loss(cfg, world)
+    tr.loss_fn = loss
     tr.after_optimizer_step = post_optimizer_hook(model, cfg)
     tr.checkpointer.load(tr)
     return tr
