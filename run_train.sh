@@ -8,6 +8,10 @@ if [ -z "${NGPU:-}" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${NGPU:-0}" -gt 0 ] || NGPU=2
 fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "tessera: NGPU: expected a positive integer (processes on this node), got '$NGPU'" >&2
+  exit 2
+fi
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec "$PYTHON" -m tessera.config --help; fi
 done
@@ -16,6 +20,6 @@ done
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+exec "$PYTHON" -m tessera.launch --standalone --nproc_per_node="$NGPU" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m tessera.train --job.config_file "$CONFIG_FILE" "$@"

@@ -4,14 +4,14 @@
     python -m tessera.convert hf-to-dcp   HF_DIR STEP_DIR  [--model.name N] [--model.flavor F] [--dtype bfloat16]
     python -m tessera.convert dcp-to-torch STEP_DIR OUT.pt
 
-The model comes from STEP_DIR/config.toml when there is one (flags override it), else from the flags; for
-hf-to-dcp without --model.flavor, the flavor whose shapes match HF_DIR/config.json. Flavors that take the
-tokenizer's vocab take the checkpoint's embedding rows instead.
+The architecture is what the source records: STEP_DIR/model.json (older checkpoints: the flavor in their
+config.toml, flavors that take the tokenizer's vocab taking the embedding rows), or HF_DIR/config.json. A
+--model.flavor that differs from it is refused, naming the fields; hf-to-dcp writes model.json beside the
+weights, so training resumes exactly that architecture.
 """
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 import warnings
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tessera import models
-from tessera.checkpoint.hf import HFError, adapter, hf_folder, load_hf, save_hf
-from tessera.checkpoint.manager import write_marker
-from tessera.config import ConfigError, parse_args, to_toml
+from tessera import architecture, models
+from tessera.checkpoint.hf import HFError, hf_folder, load_hf, save_hf
+from tessera.checkpoint.manager import write_marker, write_run_record
+from tessera.config import ConfigError, parse_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBED = "tok_embeddings.weight"
@@ -37,39 +37,18 @@ def _config(src: Path | None, opts: argparse.Namespace):
         if getattr(opts, key) is not None:
             argv += [f"--{key}", getattr(opts, key)]
     cfg = parse_args(argv)
-    if cfg.model.flavor not in models.flavors(cfg.model.name):
+    if cfg.model.flavor and cfg.model.flavor not in models.flavors(cfg.model.name):
         raise ConfigError(f"model.flavor: unknown {cfg.model.name} flavor '{cfg.model.flavor}'; one of "
                           f"{', '.join(models.flavors(cfg.model.name))}")
     return cfg
 
 
-def _build(cfg, vocab_rows: int):
-    family = models.family(cfg.model.name)
-    args = dataclasses.replace(family.FLAVORS[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
-    if cfg.model.flavor in family.TAKES_TOKENIZER_VOCAB:
-        args = dataclasses.replace(args, vocab_size=vocab_rows)
+def _build(cfg, args):
     with torch.device("meta"):
-        model = family.Transformer(args)
+        model = models.family(cfg.model.name).Transformer(args)
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
-    return model, args
-
-
-def _match_flavor(name: str, hf_dir: Path) -> str | None:
-    """The flavor whose config.json equals HF_DIR's in every shape-deciding field, or None."""
-    path = hf_dir / "config.json"
-    if not path.is_file():
-        return None
-    theirs = json.loads(path.read_text())
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "tie_word_embeddings")
-    hf = adapter(name)
-    for flavor, args in models.flavors(name).items():
-        ours = hf.hf_config(args)
-        if all(ours[k] == theirs.get(k, False if k == "tie_word_embeddings" else None) for k in keys):
-            return flavor
-    raise HFError(f"no {name} flavor matches {path} ({', '.join(f'{k}={theirs.get(k)}' for k in keys)}); "
-                  f"pass --model.flavor")
+    return model
 
 
 def dcp_to_hf(src: Path, dst: Path, opts) -> None:
@@ -79,7 +58,8 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
     saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
     if f"model.{EMBED}" not in saved:
         raise HFError(f"'{src}' holds no model.{EMBED}: not a Tessera checkpoint")
-    model, args = _build(cfg, saved[f"model.{EMBED}"].size[0])
+    args = architecture.resolve(cfg, saved[f"model.{EMBED}"].size[0], str(src))
+    model = _build(cfg, args)
     state = model.state_dict()
     for name, value in state.items():
         if f"model.{name}" not in saved:
@@ -97,13 +77,18 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
 def hf_to_dcp(src: Path, dst: Path, opts) -> None:
     if not src.is_dir():
         raise HFError(f"no such folder '{src}'")
-    if getattr(opts, "model.flavor") is None:
-        setattr(opts, "model.flavor", _match_flavor(getattr(opts, "model.name") or "llama3", src))
     cfg = _config(None, opts)
-    saved = HuggingFaceStorageReader(str(hf_folder(src))).read_metadata().state_dict_metadata
-    embed = adapter(cfg.model.name).to_hf({EMBED: None})
-    rows = saved[next(iter(embed))].size[0] if next(iter(embed)) in saved else 0
-    model, _ = _build(cfg, rows)
+    hf_folder(src)
+    try:
+        args = dataclasses.replace(models.hf_args(cfg.model.name, str(src)), max_seq_len=cfg.training.seq_len)
+    except ValueError as e:
+        raise HFError(str(e)) from None
+    asked = architecture.asked_args(cfg, args.vocab_size)
+    diffs = models.arch_differences(args, asked, ("config.json", "flavor")) if asked is not None else []
+    if diffs:
+        raise ConfigError(f"model.flavor: '{cfg.model.flavor}' and {src / 'config.json'} differ in {len(diffs)} "
+                          f"field(s): {'; '.join(diffs)}; leave --model.flavor out to convert config.json's model")
+    model = _build(cfg, args)
     load_hf(model, src, family=cfg.model.name)
     state = model.state_dict()
     if opts.dtype is not None:
@@ -112,7 +97,7 @@ def hf_to_dcp(src: Path, dst: Path, opts) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": state}, checkpoint_id=str(dst))
-    (dst / "config.toml").write_text(to_toml(cfg))
+    write_run_record(str(dst), cfg, args)
     step = re.fullmatch(r"step-(\d+)", dst.name)
     write_marker(str(dst), int(step.group(1)) if step else 0, "model")  # what the trainer's loader checks
 

@@ -1,14 +1,18 @@
 """Process group, device and DeviceMesh, chosen at runtime: CUDA + NCCL when present, else CPU + gloo."""
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.parallel.dims import ParallelDims
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,6 +68,23 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """fn() on rank 0 only (a file-system check or look-up), its result or its exception on every rank."""
+    result = error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = e
+    if dist.is_initialized():
+        box = [result, error]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box
+    if error is not None:
+        raise error
+    return result
 
 
 def shutdown(clean: bool) -> None:

@@ -89,31 +89,37 @@ def _eta(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes; other ranks hold a logger that does nothing. Nothing touches the dump folder before
+    `open()`, which the trainer calls once the run is known to start (a failed launch writes nothing)."""
 
     def __init__(self, dump_folder: str, total_steps: int, *, active: bool, tensorboard_dir: str | None = None,
                  wandb: bool = False, config: dict | None = None):
         self.total_steps, self.active = total_steps, active
+        self.dump_folder, self.tensorboard_dir, self.use_wandb, self.config = dump_folder, tensorboard_dir, wandb, config
         self.start = time.perf_counter()
         self.jsonl = self.tb = self.wandb = None
-        if not active:
+
+    def open(self) -> None:
+        if not self.active or self.jsonl is not None:
             return
-        os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
-        if tensorboard_dir:
+        self.start = time.perf_counter()
+        os.makedirs(self.dump_folder, exist_ok=True)
+        self.jsonl = open(os.path.join(self.dump_folder, "metrics.jsonl"), "a")
+        if self.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(tensorboard_dir)
-        if wandb:
+            self.tb = SummaryWriter(self.tensorboard_dir)
+        if self.use_wandb:
             try:
                 import wandb as wb
             except ImportError:
                 log.warning("metrics.enable_wandb is set but wandb is not installed (pip install wandb); skipping W&B")
             else:
-                self.wandb = wb.init(dir=dump_folder, config=config)
+                self.wandb = wb.init(dir=self.dump_folder, config=self.config)
 
     def log(self, step: int, metrics: dict[str, float], *, prefix: str = "") -> None:
         if not self.active:
             return
+        self.open()
         record = {"step": step, **({f"{prefix}{k}": v for k, v in metrics.items()})}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
@@ -142,7 +148,13 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+class _Stdout(logging.StreamHandler):
+    """Writes to sys.stdout as it is at each record: a notebook or a test harness may have swapped it since."""
+
+    stream = property(lambda self: sys.stdout, lambda self, value: None)
+
+
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, stream=sys.stdout, format="[tessera %(asctime)s] %(message)s",
+    logging.basicConfig(level=level, handlers=[_Stdout()], format="[tessera %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S", force=True)

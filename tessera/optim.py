@@ -31,13 +31,28 @@ def lr_lambda(step: int, cfg: LRScheduler, total: int) -> float:
     if step < total - decay or decay == 0:
         return 1.0
     progress = min(1.0, (step - (total - decay) + 1) / decay)
-    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
-             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.decay_type]
-    return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
+    return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * _decay_shape(progress, cfg.decay_type)
+
+
+def _decay_shape(progress: float, decay_type: str) -> float:
+    return {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+            "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[decay_type]
 
 
 def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg, total_steps))
+
+
+def resume_lr(scheduler, state: dict) -> None:
+    """Continue the saved schedule at its step, over this run's training.steps: a run extended (or shortened)
+    on resume follows the schedule of its new total from the step reached (warm-up, which does not depend on
+    the total, never restarts). The next step's lr is set here: the optimizer's saved param groups hold the
+    lr of the old schedule."""
+    scheduler.load_state_dict(state)
+    scheduler._last_lr = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs,
+                                                                               scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
+        group["lr"] = lr
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Entry point: `torchrun --nproc_per_node=N -m tessera.train --job.config_file FILE [--section.key VALUE ...]`."""
 
+import json
 import logging
 import os
 import sys
@@ -8,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tessera.checkpoint.hf import HFError
 from tessera.checkpoint.manager import CorruptCheckpoint
 from tessera.config import ConfigError, help_text, parse_args
 from tessera.config.validate import validate
@@ -121,6 +123,7 @@ def train(tr: Trainer) -> None:
     window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
     first_step = tr.step
     while tr.step < t.steps:
+        lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
         loss, grad_norm, data_s = train_step(tr)
         if tr.cfg.compile.enable and tr.step == first_step:
             log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation included")
@@ -137,17 +140,17 @@ def train(tr: Trainer) -> None:
             tps = tokens_per_step * window_steps / elapsed
             stall, tr.checkpointer.stall_s = tr.checkpointer.stall_s, 0.0
             record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
-                      "lr": tr.scheduler.get_last_lr()[0], "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
+                      "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
                       "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
                       "data_share": window_data_s / elapsed, "checkpoint_stall_s": stall}
             tr.metrics.log(tr.step, record)
             tr.history.append({"step": tr.step, **record})
             window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
-        if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or tr.step == t.steps):
+        if tr.checkpointer.should_save(tr.step, last):  # before validation: nothing after it can lose a save
+            tr.checkpointer.save(tr, last)
+        if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
             tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
             window_start = time.perf_counter()
-        if tr.checkpointer.should_save(tr.step, last=tr.step == t.steps):
-            tr.checkpointer.save(tr, last=tr.step == t.steps)
     tr.checkpointer.wait()
 
 
@@ -160,6 +163,9 @@ def summarize(tr: Trainer) -> None:
     mean_tps = sum(h["tps"] for h in tr.history) / len(tr.history)
     log.info(f"done: {tr.step} steps, final loss {tr.history[-1]['loss']:.4f}, mean {mean_tps:,.0f} tokens/s "
              f"per device, {tr.tokens_seen:,} tokens seen")
+    if tr.bad_records.count:
+        log.warning(f"{tr.bad_records.count} bad data record(s) skipped (training.max_bad_records = "
+                    f"{tr.cfg.training.max_bad_records}); the first, {tr.bad_records.first}")
     where = [f"config and metrics.jsonl in {dump}"]
     if tr.cfg.checkpoint.enable:
         where.append(f"checkpoints in {os.path.abspath(tr.checkpointer.root)}")
@@ -168,17 +174,28 @@ def summarize(tr: Trainer) -> None:
     log.info("; ".join(where))
 
 
-def _fail(error: Exception, code: int) -> int:
-    """One line on stderr (from rank 0 only, so a job prints it once) and the exit status."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"tessera: {error}", file=sys.stderr)
+def _fail(error: BaseException, code: int) -> int:
+    """One line for the whole job, and the exit status. Under tessera.launch each rank leaves the line in its
+    torchelastic error file and the launcher prints the first failure's; otherwise rank 0 prints it."""
+    report(f"{error}" if code == 2 or isinstance(error, (NonFiniteError, CorruptCheckpoint))
+           else f"{type(error).__name__}: {error}")
     return code
+
+
+def report(message: str) -> None:
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as fh:
+            json.dump({"message": message, "timestamp": int(time.time()), "tessera": True}, fh)
+    if not os.environ.get("TESSERA_LAUNCHER") and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tessera: {message}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
         cfg = parse_args(argv)
         dims = validate(cfg, world_size_from_env())
@@ -196,10 +213,13 @@ def main(argv: list[str]) -> int:
             summarize(tr)
         tr.metrics.close()
         clean = True
-    except ConfigError as e:  # checks that need the tokenizer, the model or the checkpoint folder
+    except (ConfigError, HFError) as e:  # bad input found once ranks run: the tokenizer, data, checkpoints
         return _fail(e, 2)
     except (NonFiniteError, CorruptCheckpoint) as e:
         return _fail(e, 1)
+    except Exception as e:  # a fault: its traceback follows; the launcher names the rank
+        _fail(e, 1)
+        raise
     finally:
         shutdown(clean)
     return 0

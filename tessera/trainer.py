@@ -1,7 +1,6 @@
 """The Trainer's parts and the named builders that make them, in order."""
 
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -11,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import models
-from tessera.checkpoint.manager import Checkpointer
-from tessera.config import JobConfig, to_toml
+from tessera import architecture, models
+from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
+from tessera.config import JobConfig
 from tessera.config.validate import check_vocab
 from tessera.data import build_dataloader, build_tokenizer
-from tessera.distributed import World
+from tessera.data.records import BadRecords
+from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, flops_per_token, peak_flops
 from tessera.models import num_params
 from tessera.optim import build_lr_scheduler, build_optimizer
@@ -50,29 +50,23 @@ class Trainer:
     val_loader: object | None
     metrics: MetricsLogger
     checkpointer: Checkpointer
+    tokenizer: object
     grad_accum: int
     flops_per_token: float
     peak_flops: float
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
+    loss_fn: Callable  # loss_fn below, compiled when compile.components holds "loss"
+    after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
+    bad_records: BadRecords  # data records skipped, both splits
     step: int = 0
     tokens_seen: int = 0
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
-    loss_fn: Callable | None = None  # loss_fn below, compiled when compile.components holds "loss"
-    after_optimizer_step: Callable[[], None] | None = None  # e.g. float8 scale precompute for FSDP
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def model_args(cfg: JobConfig, vocab_size: int):
-    family = models.family(cfg.model.name)
-    args = dataclasses.replace(family.FLAVORS[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
-    if cfg.model.flavor in family.TAKES_TOKENIZER_VOCAB:
-        args = dataclasses.replace(args, vocab_size=vocab_size)
-    return args
 
 
 def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
@@ -138,47 +132,52 @@ def set_determinism(cfg: JobConfig) -> None:
 
 
 def build_metrics(cfg: JobConfig, world: World) -> MetricsLogger:
-    active = world.rank == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=active, wandb=cfg.metrics.enable_wandb,
-                            tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
-                            if cfg.metrics.enable_tensorboard else None)
-    if active:
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-            fh.write(to_toml(cfg))
-    return metrics
+    return MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=world.rank == 0,
+                         wandb=cfg.metrics.enable_wandb,
+                         tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+                         if cfg.metrics.enable_tensorboard else None)
+
+
+def start_run_folder(cfg: JobConfig, args, checkpointer: Checkpointer, n_params: int) -> None:
+    """Once the model and its checkpoint have loaded: the folders are writable (the checkpoint one with room
+    for a checkpoint: weights and two Adam moments in fp32), then the run's config and architecture go in."""
+    on_rank0(lambda: probe_writable(cfg.job.dump_folder))
+    checkpointer.prepare(n_params * 4 * 3)
+    if checkpointer.rank == 0:
+        write_run_record(cfg.job.dump_folder, cfg, args)
 
 
 def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     set_determinism(cfg)
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-    check_vocab(cfg, tokenizer.vocab_size, world.dims.tp)
-    args = model_args(cfg, tokenizer.vocab_size)
+    resume = find_resume(cfg)
+    args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
+    check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
     loss = training_loss(cfg, world)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp)
-    val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation") \
+    bad = BadRecords(t.max_bad_records)
+    loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, bad=bad)
+    val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation", bad=bad) \
         if cfg.validation.enable else None
     with torch.device("meta"):  # counts of the whole model, whatever this rank holds
         whole = models.family(cfg.model.name).Transformer(args)
     fpt = flops_per_token(num_params(whole, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
                           t.seq_len)
     peak, peak_source = peak_flops(world.device)
-    log.info(f"model {cfg.model.name} {cfg.model.flavor}: {num_params(whole):,} parameters, vocab "
-             f"{args.vocab_size}; {world.size} rank(s) on {world.device.type}, {world.dims}; "
-             f"grad accumulation {grad_accum}")
+    log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
+             f"{num_params(whole):,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
+             f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
-    loss_parallel = uses_loss_parallel(cfg, world)
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
-                 build_metrics(cfg, world), Checkpointer(cfg, world.rank), grad_accum, fpt, peak, autocast,
-                 loss_parallel)
-    tr.loss_fn = loss
-    tr.after_optimizer_step = post_optimizer_hook(model, cfg)
-    tr.checkpointer.load(tr)
+                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum, fpt, peak,
+                 autocast, uses_loss_parallel(cfg, world), loss, post_optimizer_hook(model, cfg), bad)
+    tr.checkpointer.load(tr, resume)
+    start_run_folder(cfg, args, tr.checkpointer, num_params(whole))
     return tr

@@ -15,6 +15,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from tests.launch import merge
 from tessera.config import parse_args
 from tessera.config.validate import validate
 from tessera.distributed import init_world, shutdown, world_size_from_env
@@ -28,7 +29,7 @@ BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.wa
 
 
 def _trainer(argv: list[str], steps: int, dump: str):
-    cfg = parse_args([*BASE, "--job.dump_folder", dump, "--training.steps", str(steps), *argv])
+    cfg = parse_args(merge(BASE, ["--job.dump_folder", dump, "--training.steps", str(steps)], argv))
     return build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
 
 
@@ -81,6 +82,7 @@ def run_train(argv: list[str], steps: int) -> dict:
         train(tr)
         tr.metrics.close()
         return {"start": start, "losses": {h["step"]: h["loss"] for h in tr.history}, "samples": samples,
+                "lrs": {h["step"]: h["lr"] for h in tr.history}, "tokens_seen": tr.tokens_seen,
                 "params": full_params(tr.model)}
 
 

@@ -14,6 +14,23 @@ TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps"
         "--training.max_norm", "0.5"]  # below the tiny model's grad norms (~0.9): every step clips
 
 
+def merge(*argvs) -> list[str]:
+    """Flag lists joined, a later flag replacing an earlier one of the same key (the CLI itself refuses a key
+    given twice): test defaults, then what a test varies."""
+    flags: dict[str, list[str]] = {}
+    for argv in argvs:
+        argv, i = list(argv), 0
+        while i < len(argv):
+            arg = argv[i]
+            has_value = arg.startswith("--") and "=" not in arg and i + 1 < len(argv) \
+                and not argv[i + 1].startswith("--")
+            key = arg[2:].partition("=")[0] if arg.startswith("--") else f"#{len(flags)}"  # a stray word stays
+            flags.pop(key, None)
+            flags[key] = argv[i:i + 1 + has_value]
+            i += 1 + has_value
+    return [a for group in flags.values() for a in group]
+
+
 def read_metrics(dump: Path) -> list[dict]:
     with open(dump / "metrics.jsonl") as fh:
         return [json.loads(line) for line in fh if '"validation/' not in line]
@@ -25,7 +42,7 @@ def run_local(dump: Path, *args: str) -> list[dict]:
 
     env_backup = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
     try:
-        assert main([*TINY, "--job.dump_folder", str(dump), *args]) == 0
+        assert main(merge(TINY, ["--job.dump_folder", str(dump)], args)) == 0
     finally:
         os.environ.update(env_backup)
     return read_metrics(dump)
@@ -39,7 +56,7 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
 
 
 def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
-    proc = torchrun(nproc, *TINY, "--job.dump_folder", str(dump), *args)
+    proc = torchrun(nproc, *merge(TINY, ["--job.dump_folder", str(dump)], args))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(dump)
 
@@ -76,7 +93,8 @@ def assert_matches(got: dict, ref: dict, tol: float, what: tuple[str, ...] = ("g
 def resume_copy(src, dst, keep_through: int):
     """A copy of a finished run's dump folder that holds only checkpoints up to `keep_through`."""
     shutil.copytree(src, dst)
-    for name in os.listdir(dst / "checkpoint"):
-        if int(name.split("-")[1]) > keep_through:
-            shutil.rmtree(dst / "checkpoint" / name)
+    for folder in (dst / "checkpoint", dst / "checkpoint" / "exports"):
+        for name in os.listdir(folder) if folder.is_dir() else ():
+            if name.startswith("step-") and int(name.split("-")[1]) > keep_through:
+                shutil.rmtree(folder / name)
     return dst

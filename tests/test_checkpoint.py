@@ -113,7 +113,7 @@ def _kill_tree(pid: int) -> None:
 def test_sigkill_at_random_step_and_during_save_then_relaunch(tmp_path):
     ref = _torchrun_train(tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
-    kill_at = int(torch.randint(4, 9, ()).item())  # before the step-9 save the second crash interrupts
+    kill_at = 5  # after the step-3 save, before the step-9 save the second crash interrupts
     run = _torchrun_train(tmp_path / "run")
     for line in run.stdout:  # SIGKILL the whole job once it logs step `kill_at`
         if f"step {kill_at:>2}/{STEPS}" in line:
@@ -127,7 +127,7 @@ def test_sigkill_at_random_step_and_during_save_then_relaunch(tmp_path):
     out = again.stdout.read()
     assert again.wait(timeout=300) == 0, out[-3000:]
     assert "skipping checkpoint step 9" in out and "resumed from checkpoint step 6" in out
-    _params_equal(_export(tmp_path / f"run/checkpoint/step-{STEPS}"), _export(tmp_path / f"ref/checkpoint/step-{STEPS}"))
+    _params_equal(*(_export(tmp_path / f"{run}/checkpoint/exports/step-{STEPS}")["model"] for run in ("run", "ref")))
 
 
 def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
@@ -150,7 +150,7 @@ def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
     for mode in ("disabled", "async"):
         run_train(["--job.dump_folder", str(tmp_path / mode), *CKPT, "--checkpoint.async_mode", mode,
                    "--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"], 8)
-        assert sorted(os.listdir(tmp_path / mode / "checkpoint")) == ["step-6", "step-8"]
+        assert sorted(os.listdir(tmp_path / mode / "checkpoint")) == ["exports", "step-6", "step-8"]
     sync, asyn = _export(tmp_path / "disabled/checkpoint/step-6"), _export(tmp_path / "async/checkpoint/step-6")
     assert sync.keys() == asyn.keys() and "optimizer" in sync
     flat = lambda d: {k: v for k, v in d["model"].items()}  # noqa: E731
@@ -180,7 +180,7 @@ def test_bf16_model_only_export_and_dcp_to_torch_cli(tmp_path):
     res = run_train(["--job.dump_folder", str(dump), *CKPT, "--checkpoint.export_dtype", "bfloat16"], 4)
     out = tmp_path / "final.pt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
-                           str(dump / "checkpoint/step-4"), str(out)], capture_output=True, text=True)
+                           str(dump / "checkpoint/exports/step-4"), str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     saved = torch.load(out, weights_only=False)
     assert set(saved) == {"model"}

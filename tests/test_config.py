@@ -14,7 +14,7 @@ import pytest
 from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
 from tessera.config.manager import _flatten_toml, _leaves
 from tessera.config.validate import _NOT_YET, validate
-from tests.launch import ROOT, torchrun
+from tests.launch import ROOT, merge, torchrun
 
 CONFIGS = ROOT / "configs"
 LEAVES = {key: (owner, f) for key, owner, f in _leaves(JobConfig())}
@@ -107,11 +107,13 @@ def test_precedence_default_toml_cli(tmp_path):
         assert cfg.training.seq_len == 2048 and cfg.quantize.linear.mx.recipe_name == "mxfp8_cublas"
         assert cfg.job.config_file == toml
     assert isinstance(from_cli.training.steps, int) and isinstance(from_cli.optimizer.lr, float)
-    # An Optional set on the CLI only, and the last --job.config_file wins.
+    # An Optional set on the CLI only; a second --job.config_file is refused, never silently the last one read.
     other = write(tmp_path / "d.toml", "[training]\nsteps = 7\n")
-    cfg = parse_args(["--job.config_file", toml, "--lr_scheduler.decay_ratio", "0.5", "--job.config_file", other])
+    cfg = parse_args(["--lr_scheduler.decay_ratio", "0.5", "--job.config_file", other])
     assert cfg.lr_scheduler.decay_ratio == 0.5 and cfg.training.steps == 7 and cfg.job.config_file == other
     assert cfg.validation.enable is False
+    with pytest.raises(ConfigError, match="--job.config_file is given twice"):
+        parse_args(["--job.config_file", toml, "--job.config_file", other])
 
 
 def test_toml_types_are_converted_or_refused(tmp_path):
@@ -150,11 +152,11 @@ def test_cli_forms():
                      "--validation.enable", "false", "--metrics.enable_wandb", "yes", "--training.steps", "3"])
     assert on.checkpoint.initial_load_model_only is False and on.training.deterministic is True
     assert on.validation.enable is False and on.metrics.enable_wandb is True and on.training.steps == 3
-    assert parse_args(["--training.deterministic", "--training.deterministic=FALSE"]).training.deterministic is False
+    assert parse_args(["--training.deterministic=FALSE"]).training.deterministic is False
 
     # Lists, empty lists, values holding '=' or starting with '-', the last occurrence winning.
     cfg = parse_args(["--compile.components", "model,loss", "--model.converters=", "--job.description=a=b",
-                      "--checkpoint.load_step", "-5", "--checkpoint.load_step=-7", "--optimizer.lr", "1e-2"])
+                      "--checkpoint.load_step=-7", "--optimizer.lr", "1e-2"])
     assert cfg.compile.components == ["model", "loss"] and cfg.model.converters == []
     assert cfg.job.description == "a=b" and cfg.checkpoint.load_step == -7 and cfg.optimizer.lr == 1e-2
     assert parse_args(["--lr_scheduler.decay_ratio=0.25"]).lr_scheduler.decay_ratio == 0.25
@@ -236,7 +238,7 @@ BAD = [
 
 # Enough to finish in a second should a check ever let the bad config through (the test then fails on the dump).
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "1", "--training.local_batch_size",
-        "2"]
+        "2", "--lr_scheduler.warmup_steps", "0"]
 
 
 @pytest.mark.parametrize("case, args, world, expect, in_process", BAD, ids=[c[0] for c in BAD])
@@ -265,7 +267,7 @@ def test_bad_input_one_line_exit_2_no_dump(tmp_path, monkeypatch, capsys, case, 
         for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
             monkeypatch.delenv(var, raising=False)
         capsys.readouterr()
-        assert main([*TINY, "--job.dump_folder", str(dump), *args]) == 2
+        assert main(merge(TINY, ["--job.dump_folder", str(dump)], args)) == 2
         out, err_text = capsys.readouterr()
         assert out == "" and err_text == line + "\n"
         assert not dump.exists()

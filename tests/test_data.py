@@ -11,7 +11,8 @@ import torch
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data import TokenLoader, build_dataloader, build_tokenizer, documents
-from tessera.data.sources import _stdlib_files
+from tessera.data.records import BadRecords, DataError
+from tessera.data.sources import _stdlib_files, check_files
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
@@ -109,9 +110,12 @@ def test_hf_tokenizer_special_fallbacks(tmp_path):
 
 
 def test_build_tokenizer_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer.json") as info:
+    with pytest.raises(ConfigError, match="tokenizer.json") as info:
         build_tokenizer(str(tmp_path))
     assert "\n" not in str(info.value)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut off mid-download
+    with pytest.raises(ConfigError, match=rf"model.hf_assets_path: {tmp_path / 'tokenizer.json'} is not a tokenizer"):
+        build_tokenizer(str(tmp_path))
 
 
 # --- loader ----------------------------------------------------------------------------------------------
@@ -289,7 +293,7 @@ def test_files_missing_text_field(corpus):
 
 
 def test_files_nothing_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no .txt"):
+    with pytest.raises(DataError, match="no .txt"):
         file_docs(tmp_path / "*.txt", "train")
 
 
@@ -322,7 +326,7 @@ def hub_offline(monkeypatch):
 
 @pytest.mark.parametrize("dataset, shown", [("c4", "allenai/c4"), ("someorg/somecorpus", "someorg/somecorpus")])
 def test_hub_dataset_offline_message(hub_offline, dataset, shown):
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(DataError) as info:
         documents(dataset, "", "text", "train", 0, 0)
     message = str(info.value)
     assert shown in message and "offline" in message and "stdlib" in message and "\n" not in message
@@ -332,3 +336,74 @@ def test_hub_dataset_local_copy(hub_offline, tmp_path):
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "train.jsonl").write_text('{"text": "x"}\n{"text": "y"}\n')
     assert sorted(documents("c4", str(tmp_path / "copy"), "text", "train", 0, 0)) == ["x", "y"]
+
+
+# --- bad data: skipped and counted with file and line, or refused before training ---------------------------------
+
+def test_bad_records_are_skipped_counted_and_limited(tmp_path):
+    good = [json.dumps({"text": f"doc {k}"}) for k in range(6)]
+    lines = [good[0], '{"text": "cut off', good[1], '{"text": 7}', '"a bare string"', good[2], '{"text": ["a"]}',
+             good[3], '{"text": null}', '{"id": 1}', good[4]]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes("\n".join(lines).encode() + b'\n{"text": "caf\xe9"}\n' + good[5].encode() + b"\n")
+    bad = BadRecords(-1, quiet=True)
+    docs = list(documents("files", str(data), "text", "train", 0, 0, bad=bad))
+    assert docs == [f"doc {k}" for k in range(6)]
+    assert bad.count == 7 and bad.first == f"{data}:2: not valid JSON (Invalid control character at column 18)"
+    reasons = {}
+    for limit in (7, 6):
+        try:
+            list(documents("files", str(data), "text", "train", 0, 0, bad=BadRecords(limit, quiet=True)))
+        except DataError as e:
+            reasons[limit] = str(e)
+    assert 7 not in reasons  # exactly at the limit: the run goes on
+    assert reasons[6] == (f"training.max_bad_records: 7 bad data records, more than 6; the latest, {data} line 12: "
+                          f"bytes that are not UTF-8 (invalid continuation byte at column 14); fix the "
+                          f"data, or raise training.max_bad_records (-1: no limit)")
+    # Each reason names what is wrong; a second epoch counts nothing twice.
+    messages = []
+    bad = BadRecords(-1)
+    bad.quiet, bad.skip = True, lambda file, where, reason: messages.append(f"{where}: {reason}")
+    list(documents("files", str(data), "text", "train", 0, 0, bad=bad))
+    assert messages[1:] == ["line 4: 'text' is a number, not a string",
+                            "line 5: a string (JSON), not an object with a 'text' field",
+                            "line 7: 'text' is an array, not a string", "line 9: 'text' is null, not a string",
+                            "line 10: no field 'text'",
+                            "line 12: bytes that are not UTF-8 (invalid continuation byte at column 14)"]
+    twice = BadRecords(-1, quiet=True)
+    for epoch in (0, 1):
+        list(documents("files", str(data), "text", "train", 0, epoch, bad=twice))
+    assert twice.count == 7
+    # By default (no counter) the first bad record stops, naming file and line.
+    with pytest.raises(DataError, match=rf"more than 0; the latest, {data} line 2: not valid JSON"):
+        list(documents("files", str(data), "text", "train", 0, 0))
+
+
+def test_bad_txt_and_parquet_records(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"fine\nline two \xff\xfe\n")
+    pq.write_table(pa.table({"text": ["x", None, "y"]}), tmp_path / "b.parquet")
+    bad = BadRecords(-1, quiet=True)
+    assert list(documents("files", str(tmp_path), "text", "train", 0, 0, bad=bad)) == ["x", "y"]
+    assert bad.count == 2 and bad.first.startswith(f"{tmp_path / 'a.txt'}:2: bytes that are not UTF-8")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match=r"b.parquet: column 'text' \(training.dataset_text_field\) holds int64"):
+        list(documents("files", str(tmp_path / "b.parquet"), "text", "train", 0, 0))
+
+
+def test_empty_or_too_small_data_is_refused_before_training(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n\n')
+    for name in ("empty.txt", "blank.jsonl"):
+        with pytest.raises(DataError, match=rf"training.dataset_path: no text in {tmp_path / name}: every document "
+                                            rf"is empty$"):
+            check_files(str(tmp_path / name), "text", validation=False)
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    with pytest.raises(DataError, match=r"every document is empty; 1 bad record\(s\), the first .*junk.jsonl:1: "
+                                        r"not valid JSON"):
+        check_files(str(tmp_path / "junk.jsonl"), "text", validation=False)
+    (tmp_path / "small.txt").write_text("one document")
+    check_files(str(tmp_path / "small.txt"), "text", validation=False)
+    with pytest.raises(DataError, match=r"validation.enable: the validation split of .*small.txt is empty"):
+        check_files(str(tmp_path / "small.txt"), "text", validation=True)
+    (tmp_path / "many.jsonl").write_text("".join(json.dumps({"text": f"d{k}"}) + "\n" for k in range(100)))
+    check_files(str(tmp_path / "many.jsonl"), "text", validation=True)

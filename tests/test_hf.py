@@ -121,7 +121,15 @@ def test_save_hf_sharded_and_bf16_round_trip(tmp_path):
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
-def test_load_hf_errors_name_the_problem(tmp_path, caplog):
+def _hf_folder(path: Path, args, **config) -> Path:
+    """Our model from seed 0 saved as HF, its config.json then edited by `config`."""
+    save_hf(_ours(args).state_dict(), args, path)
+    if config:
+        (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **config}))
+    return path
+
+
+def test_load_hf_errors_name_the_problem(tmp_path):
     args = _args()
     with pytest.raises(HFError, match="no such file or folder .*nowhere"):
         load_hf(_ours(args, seed=None), tmp_path / "nowhere")
@@ -129,42 +137,116 @@ def test_load_hf_errors_name_the_problem(tmp_path, caplog):
     with pytest.raises(HFError, match=r"no \*\.safetensors files in .*empty"):
         load_hf(_ours(args, seed=None), tmp_path / "empty")
 
-    save_hf(_ours(args).state_dict(), args, tmp_path / "v97")
+    # config.json is compared with the model built, field by field, before any tensor is read.
+    v97 = _hf_folder(tmp_path / "v97", args)
     with pytest.raises(HFError) as e:
-        load_hf(_ours(_args(vocab_size=100), seed=None), tmp_path / "v97")
-    assert str(e.value) == (f"shape mismatch for 'model.embed_tokens.weight' in '{tmp_path / 'v97'}': "
-                            f"checkpoint [97, 64], model [100, 64]")
-
+        load_hf(_ours(_args(vocab_size=100), seed=None), v97)
+    assert str(e.value) == (f"{v97 / 'config.json'} describes another model than the one built, in 1 field(s): "
+                            f"vocab_size: 97 (config.json) vs 100 (model); build config.json's architecture "
+                            f"(leave model.flavor empty)")
+    # Settings that shapes cannot show: HF's default RoPE theta, no scaling, its eps.
+    _hf_folder(tmp_path / "rope", args, rope_theta=1e4, rms_norm_eps=1e-6, rope_scaling=None,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    with pytest.raises(HFError, match=r"in 3 field\(s\): norm_eps: 1e-06 \(config.json\) vs 1e-05 \(model\); "
+                                      r"rope_theta: 10000.0 \(config.json\) vs 500000.0 \(model\); "
+                                      r"rope_scaling_factor: 0.0 \(config.json\) vs 8.0 \(model\)"):
+        load_hf(_ours(args, seed=None), tmp_path / "rope")
+    # 8/4 heads of 8 dims have the shapes of 4/2 heads of 16.
+    _hf_folder(tmp_path / "heads", args, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    with pytest.raises(HFError, match=r"n_heads: 8 \(config.json\) vs 4 \(model\); n_kv_heads: 4 \(config.json\) "
+                                      r"vs 2 \(model\); head_dim: 8 \(config.json\) vs 16 \(model\)"):
+        load_hf(_ours(args, seed=None), tmp_path / "heads")
+    # Tensors: each one checked against the whole model the config describes.
+    _hf_folder(tmp_path / "shape", args, vocab_size=100)
+    with pytest.raises(HFError, match=r"shape mismatch for 'model.embed_tokens.weight' in .*: checkpoint \[97, 64\], "
+                                      r"model \[100, 64\]"):
+        load_hf(_ours(_args(vocab_size=100), seed=None), tmp_path / "shape")
     state = _ours(args).state_dict()
     del state["norm.weight"]
     save_hf(state, args, tmp_path / "no_norm")
     with pytest.raises(HFError, match=r"missing tensor 'model\.norm\.weight' \(for norm\.weight\)"):
         load_hf(_ours(args, seed=None), tmp_path / "no_norm")
-
-    save_hf(_ours(_args(n_layers=3)).state_dict(), _args(n_layers=3), tmp_path / "three")
-    with pytest.raises(HFError, match=r"unexpected tensor 'model\.layers\.2\.[a-z_.]+\.weight'"):
+    _hf_folder(tmp_path / "three", _args(n_layers=3), num_hidden_layers=2)
+    with pytest.raises(HFError, match=r"unexpected tensor 'model\.layers\.2\.[a-z_.]+\.weight' in .*: the model built "
+                                      r"has no layers\.2\."):
         load_hf(_ours(args, seed=None), tmp_path / "three")
-    # A pipeline stage holding layers 0-1 takes what it has.
-    load_hf(_ours(args, seed=None), tmp_path / "three", strict=False)
-
-    # Settings that shapes cannot show are compared with config.json: a warning names each difference.
-    config = json.loads((tmp_path / "v97" / "config.json").read_text())
-    (tmp_path / "v97" / "config.json").write_text(json.dumps({**config, "rope_theta": 1e4, "rms_norm_eps": 1e-6,
-                                                               "rope_parameters": {"rope_type": "default"}}))
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="tessera.checkpoint.hf"):
-        load_hf(_ours(args, seed=None), tmp_path / "v97")
-    assert [r.getMessage() for r in caplog.records if r.name == "tessera.checkpoint.hf"] == [
-        f"{tmp_path / 'v97' / 'config.json'}: {d}; the weights load, but the model may compute differently"
-        for d in ("rms_norm_eps=1e-06 (ours 1e-05)", "rope rope_type='default' (ours 'llama3')",
-                  "rope rope_theta=10000.0 (ours 500000.0)")]
+    # An untied lm_head is never dropped into tied embeddings: by config.json, and by the tensor itself.
+    untied = _hf_folder(tmp_path / "untied", args)
+    with pytest.raises(HFError, match=r"tie_embeddings: False \(config.json\) vs True \(model\)"):
+        load_hf(_ours(_args(tie_embeddings=True), seed=None), untied)
+    _hf_folder(tmp_path / "lies", args, tie_word_embeddings=True)
+    with pytest.raises(HFError, match="unexpected tensor 'lm_head.weight' in .*: the model built has no output.weight"):
+        load_hf(_ours(_args(tie_embeddings=True), seed=None), tmp_path / "lies")
 
     from safetensors.torch import save_file
     (tmp_path / "odd").mkdir()
     save_file({"model.embed_tokens.weight": torch.zeros(97, 64), "vision_tower.proj": torch.zeros(2)},
               str(tmp_path / "odd" / "model.safetensors"))
+    with pytest.raises(HFError, match="no config.json in .*odd.*: the weights' architecture is unknown"):
+        load_hf(_ours(args, seed=None), tmp_path / "odd")
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(hf_config(args)))
     with pytest.raises(HFError, match="unexpected tensor 'vision_tower.proj'"):
         load_hf(_ours(args, seed=None), tmp_path / "odd")
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({**hf_config(args), "mlp_bias": True}))
+    with pytest.raises(HFError, match=r"config.json: mlp_bias = True: Tessera's llama3 computes silu MLPs without"):
+        load_hf(_ours(args, seed=None), tmp_path / "odd")
+
+
+# --- any valid Llama config.json, none of them a preset flavor: built from config.json, exact both ways ---------
+
+ODD = {  # transformers' own LlamaConfig fields
+    "odd_heads": dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=3, intermediate_size=100),
+    "mqa": dict(num_attention_heads=8, num_key_value_heads=1, intermediate_size=96),
+    "untied_odd_vocab": dict(vocab_size=1001, tie_word_embeddings=False),
+    "tied_head_dim_apart": dict(head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "rope_llama3_long": dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e4, factor=4.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=16),
+                             max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("case", ODD)
+def test_any_llama_config_builds_and_round_trips(case, tmp_path):
+    from tessera.models import hf_args
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{**dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, intermediate_size=128, vocab_size=97,
+                                                max_position_embeddings=256), **ODD[case]})
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "in")
+    seq = 128 if case.startswith("rope") else 32  # 8x the original context: the scaled frequencies matter
+    tokens = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(1))
+    args = dataclasses.replace(hf_args("llama3", str(tmp_path / "in")), max_seq_len=seq)
+    assert all(args.arch() != f.arch() for f in FLAVORS.values())
+    ours = _ours(args, seed=None)
+    load_hf(ours, tmp_path / "in")
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
+        save_hf(ours, args, tmp_path / "out", bos_id=1, eos_id=2)
+        back = _pretrained(tmp_path / "out")
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    assert back.generation_config.bos_token_id == 1 and back.generation_config.eos_token_id == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_exported_config_is_one_transformers_accepts_silently():
+    """Every flavor's config.json loads in transformers without a warning (RoPE scaling and context agree)."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warned.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        for name, args in FLAVORS.items():
+            transformers.LlamaConfig(**hf_config(dataclasses.replace(args, max_seq_len=2048), 1, 2))
+            assert not warned, (name, [r.getMessage() for r in warned])
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
 
 
 # --- convert CLI --------------------------------------------------------------------------------------------
@@ -208,10 +290,12 @@ def test_convert_cli_round_trip(tmp_path):
     proc = _run("-c", script, json.dumps(runs))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     config = json.loads((hf / "config.json").read_text())
-    assert config["vocab_size"] == 97 and config["max_position_embeddings"] == 32  # from the checkpoint
+    assert config["vocab_size"] == 97  # the checkpoint's, which "tiny" takes from the tokenizer
+    assert config["max_position_embeddings"] > config["rope_parameters"]["original_max_position_embeddings"]
     _assert_same_logits(ours, _pretrained(hf))
-    # hf-to-dcp found the flavor from config.json and wrote a model-only Tessera checkpoint.
-    assert "flavor = \"tiny\"" in (back / "config.toml").read_text()
+    # hf-to-dcp built config.json's architecture and wrote a model-only Tessera checkpoint recording it.
+    from tessera.models import args_from_json
+    assert args_from_json(json.loads((back / "model.json").read_text()))[1].arch() == _args().arch()
     from tessera.checkpoint.manager import read_marker, verify
     marker = read_marker(str(back))
     assert marker["kind"] == "model" and marker["step"] == 0 and "config.toml" in marker["files"]
@@ -244,11 +328,13 @@ def test_convert_cli_bad_input(tmp_path, capsys):
     ckpt = tmp_path / "step-1"
     _tessera_checkpoint(ckpt, _ours(_args()))
     msg = error("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--model.flavor", "debugmodel")
-    assert "shape mismatch for 'model.tok_embeddings.weight'" in msg and "debugmodel" in msg
+    assert "written by flavor 'tiny', not 'debugmodel'" in msg
     assert "unknown llama3 flavor 'huge'" in error("dcp-to-hf", str(ckpt), str(tmp_path / "o"), "--model.flavor=huge")
     hf = tmp_path / "hf"
     save_hf(_ours(_args(dim=32, n_heads=2, n_kv_heads=1)).state_dict(), _args(dim=32, n_heads=2, n_kv_heads=1), hf)
-    assert "no llama3 flavor matches" in error("hf-to-dcp", str(hf), str(tmp_path / "o"))
+    msg = error("hf-to-dcp", str(hf), str(tmp_path / "o"), "--model.flavor", "tiny")
+    assert "'tiny' and" in msg and "differ in 4 field(s): dim: 32 (config.json) vs 64 (flavor)" in msg
+    assert not (tmp_path / "o").exists()
 
 
 # --- download script ----------------------------------------------------------------------------------------
@@ -333,18 +419,67 @@ if __name__ == "__main__":
 # --- through the trainer: start from HF weights, finish with an HF export ---------------------------------------
 
 
-def test_trainer_imports_and_exports_hf(tmp_path):
-    from tests.launch import run_local
+def _odd_hf_model(path: Path, seed: int = 3, **overrides):
+    """A transformers Llama no flavor matches (6/2 heads of 12, ffn 100), on the byte tokenizer's vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{**dict(hidden_size=72, num_hidden_layers=4, num_attention_heads=6,
+                                                num_key_value_heads=2, intermediate_size=100, vocab_size=258,
+                                                rms_norm_eps=1e-5, max_position_embeddings=64), **overrides})
+    torch.manual_seed(seed)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(path)
+    return theirs
 
-    args = _args(vocab_size=258)  # the byte tokenizer's vocabulary, which the trainer's "tiny" takes
-    theirs = _theirs(args, seed=3)
-    theirs.save_pretrained(tmp_path / "hf_in")
-    # lr 0: the step leaves the weights as imported, so the export must equal the HF model exactly.
-    run_local(tmp_path / "run", "--training.steps", "1", "--optimizer.lr", "0", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(tmp_path / "hf_in"), "--checkpoint.initial_load_in_hf",
-              "--checkpoint.last_save_in_hf")
-    out = tmp_path / "run/checkpoint/step-1"
+
+HF_RUN = ["--model.flavor=", "--training.steps", "1", "--optimizer.lr", "0", "--lr_scheduler.warmup_steps", "0",
+          "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"]
+
+
+def _assert_exported(theirs, dump: Path) -> None:
+    out = dump / "checkpoint/exports/step-1"
     assert (out / ".complete").exists() and (out / "config.json").exists()
     exported = _pretrained(out)
     for name, value in theirs.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0)
+    assert (exported.generation_config.bos_token_id, exported.generation_config.eos_token_id) == (256, 257)
+    record = json.loads((dump / "checkpoint/step-1/model.json").read_text())  # resume rebuilds exactly this
+    assert record["args"]["dim"] == 72 and record["args"]["ffn_hidden_override"] == 100
+
+
+def test_trainer_imports_and_exports_hf(tmp_path):
+    """With model.flavor empty the run builds config.json's model, whatever it is; lr 0 leaves the weights as
+    imported, so the export equals the HF model exactly. One process, then 2 pipeline stages, then TP 2."""
+    from tests.launch import run_dist, run_local
+
+    theirs = _odd_hf_model(tmp_path / "hf_in")
+    load = ["--checkpoint.initial_load_path", str(tmp_path / "hf_in")]
+    run_local(tmp_path / "run", *HF_RUN, *load)
+    _assert_exported(theirs, tmp_path / "run")
+    for name, degree in (("pp", "pipeline_parallel_degree"), ("tp", "tensor_parallel_degree")):
+        run_dist(2, tmp_path / name, *HF_RUN, *load, f"--parallelism.{degree}", "2", "--training.local_batch_size", "4")
+        _assert_exported(theirs, tmp_path / name)
+
+
+def test_trainer_refuses_a_model_that_is_not_the_hf_one(tmp_path, capsys):
+    """The measured silent cases, refused before training in one line, nothing written: tiny's shapes with HF's
+    default RoPE and eps; 8/4 heads of 8 dims as tiny's 4/2 of 16; a tokenizer with ids past the vocabulary.
+    (An untied lm_head into tied embeddings: test_load_hf_errors_name_the_problem.)"""
+    from tessera.train import main
+    from tests.launch import TINY, merge
+
+    tiny = _args(vocab_size=258)
+    edits = {"rope": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "rope_scaling": None,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+             "heads": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}}
+    expected = {"rope": "differs in 3 field(s): norm_eps: 1e-06 (config.json) vs 1e-05 (flavor); rope_theta: 10000.0",
+                "heads": "differs in 3 field(s): n_heads: 8 (config.json) vs 4 (flavor); n_kv_heads: 4",
+                "vocab": "the tokenizer has 258 tokens, more than the model's vocabulary (200)"}
+    for case, want in expected.items():
+        folder = _hf_folder(tmp_path / case, _args(vocab_size=200) if case == "vocab" else tiny, **edits.get(case, {}))
+        dump = tmp_path / f"run_{case}"
+        flavor = "--model.flavor=" if case == "vocab" else "--model.flavor=tiny"
+        assert main(merge(TINY, HF_RUN, ["--job.dump_folder", str(dump), "--checkpoint.initial_load_path",
+                                         str(folder), flavor])) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], (case, err)
+        assert not dump.exists()

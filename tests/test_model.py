@@ -63,5 +63,5 @@ def test_logits_equal_transformers(kw):
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
-    back = from_hf(to_hf(ours.state_dict()), ours.args)
+    back = from_hf(to_hf(ours.state_dict()))
     assert back.keys() == ours.state_dict().keys()

@@ -6,6 +6,7 @@ import pytest
 
 from tessera.config import ConfigError, parse_args
 from tessera.config.validate import validate
+from tests.launch import merge
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32"]
 CASES = [  # (flags, world size, message fragment)
@@ -35,7 +36,7 @@ CASES = [  # (flags, world size, message fragment)
 @pytest.mark.parametrize("flags,world,message", CASES)
 def test_bad_layout_refused(flags, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(parse_args([*TINY, *flags]), world)
+        validate(parse_args(merge(TINY, flags)), world)
 
 
 def test_good_layouts_accepted():

@@ -1,104 +1,102 @@
 """DCP checkpoints that never lose work: atomic (a marker written once every rank is done), verified on
 load, resumable on any layout (DCP reshards; the data position is global), optionally async.
 
-A checkpoint is `<dump_folder>/<checkpoint.folder>/step-N/`: a DCP folder holding {"model", "optimizer",
-"train"} ("model" only for exports and seed checkpoints), plus `config.toml` and `.complete`, a JSON
-record of the files and their sizes that is written last.
+A checkpoint is `<dump_folder>/<checkpoint.folder>/step-N/` (see folder.py): a DCP folder holding {"model",
+"optimizer", "train"} ("model" only for seed checkpoints), `config.toml`, `model.json` and `.complete`. The final
+save of a run is a full checkpoint like the others; the exports it may add (model-only in a dtype, or Hugging Face)
+go to `exports/step-N/`, which resuming never reads.
 """
 
 import io
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import time
+import uuid
+import warnings
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from tessera.checkpoint.folder import (EXPORTS, MARKER, MODEL_RECORD, CorruptCheckpoint, read_marker, resume_point,
+                                       step_folders, verify, write_marker)
 from tessera.config import ConfigError, JobConfig, to_toml
+from tessera.distributed import on_rank0
+from tessera.models import args_to_json
+from tessera.optim import resume_lr
 
 log = logging.getLogger("tessera")
-MARKER = ".complete"
-_STEP = re.compile(r"step-(\d+)$")
+# DCP in one process (no process group) says so on every save and load; that is the intended use here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "read_marker", "step_folders", "verify", "write_marker"]
 
 
-class CorruptCheckpoint(RuntimeError):
-    pass
+def write_run_record(folder: str, cfg: JobConfig, args) -> None:
+    """`config.toml` and `model.json` (the architecture, which a flavor left empty does not name) in `folder`."""
+    with open(os.path.join(folder, "config.toml"), "w") as fh:
+        fh.write(to_toml(cfg))
+    with open(os.path.join(folder, MODEL_RECORD), "w") as fh:
+        json.dump(args_to_json(cfg.model.name, args), fh, indent=1)
 
 
-def step_folders(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every step-N folder, newest first."""
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := _STEP.match(name))]
-    return sorted(found, reverse=True)
-
-
-def read_marker(path: str) -> dict | None:
+def probe_writable(folder: str, need_bytes: int = 0) -> None:
+    """Create `folder` and write a file in it, now rather than at the first save; refuse one without room for
+    `need_bytes`."""
     try:
-        with open(os.path.join(path, MARKER)) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError):
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"cannot write to '{folder}' ({e.strerror or e}); pick a writable job.dump_folder or "
+                          f"checkpoint.folder") from None
+    free = shutil.disk_usage(folder).free
+    if need_bytes > free:
+        raise ConfigError(f"'{folder}' has {free / 2**30:.2f} GiB free, but one checkpoint of this model needs about "
+                          f"{need_bytes / 2**30:.2f} GiB; free some space or pick another job.dump_folder")
+
+
+def check_shapes(path: str, model_state: dict) -> None:
+    """The checkpoint holds every model tensor with the model's (global) shape: else one line naming the first
+    difference, instead of DCP's error at load."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, value in model_state.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise ConfigError(f"job.dump_folder: the checkpoint at {path} has no tensor '{name}', so it holds another "
+                              f"model; resume it with its own model settings or pick another job.dump_folder")
+        if tuple(meta.size) != tuple(value.shape):
+            raise ConfigError(f"job.dump_folder: the checkpoint at {path} holds '{name}' with shape "
+                              f"{list(meta.size)}, the model asked for has {list(value.shape)}; resume it with its "
+                              f"own model settings or pick another job.dump_folder")
+
+
+def find_resume(cfg: JobConfig) -> tuple[int, str, dict] | None:
+    """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer)."""
+    if not cfg.checkpoint.enable:
         return None
-
-
-def verify(path: str, marker: dict) -> None:
-    """Every file the marker lists exists with its recorded size; raises CorruptCheckpoint naming the file."""
-    for name, size in marker["files"].items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CorruptCheckpoint(f"{file} is missing")
-        if os.path.getsize(file) != size:
-            raise CorruptCheckpoint(f"{file} has {os.path.getsize(file)} bytes, {size} were written")
-
-
-def write_marker(path: str, step: int, kind: str) -> None:
-    files = {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path)) if not n.startswith(MARKER)}
-    tmp = os.path.join(path, MARKER + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump({"step": step, "kind": kind, "files": files}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))  # atomic: the checkpoint exists from here on
-
-
-def latest_complete(root: str, load_step: int = -1) -> tuple[int, str, dict] | None:
-    """Newest complete and intact checkpoint (or exactly `load_step`), logging each one passed over."""
-    for step, path in step_folders(root):
-        if load_step >= 0 and step != load_step:
-            continue
-        marker = read_marker(path)
-        try:
-            if marker is None:
-                raise CorruptCheckpoint(f"no {MARKER} marker: its save was interrupted")
-            verify(path, marker)
-        except CorruptCheckpoint as e:
-            if load_step >= 0:
-                raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {e}") from None
-            log.warning(f"skipping checkpoint step {step} ({e}); falling back to an earlier one")
-            continue
-        if marker["kind"] == "hf":
-            continue
-        return step, path, marker
-    if load_step >= 0:
-        raise ConfigError(f"checkpoint.load_step: no checkpoint for step {load_step} under {root}")
-    return None
+    try:
+        return on_rank0(lambda: resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
+                                             cfg.checkpoint.load_step))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class Checkpointer:
     """Saves at intervals and at the end, resumes at start. One per run; rank 0 writes markers and purges."""
 
-    def __init__(self, cfg: JobConfig, rank: int):
-        self.cfg, self.c, self.rank = cfg, cfg.checkpoint, rank
+    def __init__(self, cfg: JobConfig, rank: int, model_args):
+        self.cfg, self.c, self.rank, self.model_args = cfg, cfg.checkpoint, rank, model_args
         self.root = os.path.join(cfg.job.dump_folder, self.c.folder)
         self.distributed = dist.is_initialized()
         # Async saves run collectives from a background thread: give them their own group.
@@ -114,7 +112,8 @@ class Checkpointer:
         if model_only:
             return {"model": model}
         train = {"train_state": {"step": tr.step, "tokens_seen": tr.tokens_seen},
-                 "lr_scheduler": tr.scheduler.state_dict(), "dataloader": tr.loader.state_dict(),
+                 "lr_scheduler": tr.scheduler.state_dict(),
+                 "dataloader": tr.loader.state_dict(),
                  "rng": {"cpu": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
         blob = io.BytesIO()
@@ -128,37 +127,53 @@ class Checkpointer:
             return False
         return last or step % self.c.interval == 0 or (step == 1 and self.c.enable_first_step_checkpoint)
 
+    def prepare(self, bytes_per_checkpoint: int) -> None:
+        """Before the first step: the checkpoint folder can be written and has room for a checkpoint."""
+        if self.c.enable:
+            on_rank0(lambda: probe_writable(self.root, bytes_per_checkpoint))
+
     def save(self, tr, last: bool = False) -> None:
+        """A full checkpoint (synchronous at the end of the run), then, at the end, the exports asked for."""
         start = time.perf_counter()
         self.wait()  # a new save never races one still in flight
-        model_only = last and self.c.last_save_model_only
         path = os.path.join(self.root, f"step-{tr.step}")
-        if last and self.c.last_save_in_hf:
-            from tessera.checkpoint.hf import save_hf
-            save_hf(get_model_state_dict(tr.model), tr.model_args, path, dtype=_DTYPES[self.c.export_dtype],
-                    family=self.cfg.model.name)
-            self._finish(path, tr.step, "hf")
+        state = self._state(tr, model_only=False)
+        if self.c.async_mode != "disabled" and not last:
+            self.pending = self._async_save(state, path)
+            self.pending.add_done_callback(lambda f, p=path, s=tr.step: f.exception() or self._finish(p, s, "full"))
         else:
-            dtype = _DTYPES[self.c.export_dtype] if model_only else None
-            state = self._state(tr, model_only, dtype)
-            kind = "model" if model_only else "full"
-            if self.c.async_mode != "disabled" and not last:
-                self.pending = self._async_save(state, path)
-                self.pending.add_done_callback(lambda f, p=path, s=tr.step, k=kind: f.exception() or
-                                               self._finish(p, s, k))
-            else:
-                dcp.save(state, checkpoint_id=path, process_group=self.pg)
-                self._finish(path, tr.step, kind)
+            dcp.save(state, checkpoint_id=path, process_group=self.pg)
+            self._finish(path, tr.step, "full")
         stall = time.perf_counter() - start
         self.stall_s += stall
         log.info(f"checkpoint step {tr.step} {'queued' if self.pending else 'saved'} to {path} "
                  f"(training stalled {stall:.2f}s)")
+        if last and (self.c.last_save_in_hf or self.c.last_save_model_only):
+            self.export(tr)
+
+    def export(self, tr) -> str:
+        """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
+        path = os.path.join(self.root, EXPORTS, f"step-{tr.step}")
+        dtype = _DTYPES[self.c.export_dtype]
+        if self.c.last_save_in_hf:
+            from tessera.checkpoint.hf import save_hf
+            save_hf(get_model_state_dict(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,
+                    bos_id=tr.tokenizer.bos_id, eos_id=tr.tokenizer.eos_id)
+            kind = "hf"
+        else:
+            dcp.save(self._state(tr, model_only=True, dtype=dtype), checkpoint_id=path, process_group=self.pg)
+            kind = "model"
+        if self.rank == 0:
+            write_run_record(path, self.cfg, tr.model_args)
+            write_marker(path, tr.step, kind)
+        log.info(f"exported the model ({'Hugging Face' if kind == 'hf' else 'DCP'}, {self.c.export_dtype}) to {path}")
+        return path
 
     def save_seed(self, tr) -> None:
         """Step 0, model only, fp32: the common starting point of every layout."""
         path = os.path.join(self.root, "step-0")
         dcp.save({"model": get_model_state_dict(tr.model)}, checkpoint_id=path)
-        self._finish(path, 0, "model")
+        self._finish(path, 0, "model", tr.model_args)
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
     def _async_save(self, state: dict, path: str) -> Future:
@@ -169,22 +184,24 @@ class Checkpointer:
         resp = dcp.async_save(state, checkpoint_id=path, process_group=self.pg, async_stager=stager)
         return resp if isinstance(resp, Future) else resp.upload_completion
 
-    def _finish(self, path: str, step: int, kind: str) -> None:
+    def _finish(self, path: str, step: int, kind: str, args=None) -> None:
         """Runs once DCP has returned, i.e. every rank has written and the metadata exists."""
         if self.rank != 0:
             return
-        with open(os.path.join(path, "config.toml"), "w") as fh:
-            fh.write(to_toml(self.cfg))
+        write_run_record(path, self.cfg, args if args is not None else self.model_args)
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind)
         self._purge(step)
 
     def _purge(self, newest: int) -> None:
-        """Keep the newest keep_latest_k complete checkpoints; drop older ones and older interrupted saves."""
+        """Keep the newest keep_latest_k complete checkpoints, the newest full one always among them; drop older
+        ones and older interrupted saves. Exports are the user's and stay."""
         folders = step_folders(self.root)
-        complete = [path for _, path in folders if read_marker(path) is not None]
+        markers = {path: read_marker(path) for _, path in folders}
+        complete = [path for _, path in folders if markers[path] is not None]
         keep = set(complete[: self.c.keep_latest_k] if self.c.keep_latest_k else complete)
+        keep |= set([path for path in complete if markers[path].get("kind") == "full"][:1])
         for step, path in folders:
             if step < newest and path not in keep:  # newer folders may still be in flight
                 shutil.rmtree(path, ignore_errors=True)
@@ -195,44 +212,34 @@ class Checkpointer:
             self.pending = None
 
     # ---- load ----------------------------------------------------------------------------------------
-    def load(self, tr) -> None:
-        """Resume from the folder; else start from initial_load_path; else leave the fresh model."""
-        if not self.c.enable:
-            return
-        found = error = None
-        if self.rank == 0:
-            try:
-                found = latest_complete(self.root, self.c.load_step)
-            except ConfigError as e:
-                error = str(e)
-        if self.distributed:  # every rank loads what rank 0 chose, or fails with it
-            box = [found, error]
-            dist.broadcast_object_list(box, src=0)
-            found, error = box
-        if error:
-            raise ConfigError(error)
-        if found is not None:
-            step, path, marker = found
-            self._load(tr, path, model_only=marker["kind"] == "model", step=step)
-            log.info(f"resumed from checkpoint step {step} at {path}")
-        elif self.c.initial_load_path:
+    def load(self, tr, resume: tuple[int, str, dict] | None) -> None:
+        """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
+        initial_load_path; else leave the fresh model."""
+        if resume is not None:
+            step, path, marker = resume
+            full = marker["kind"] == "full"
+            self._load(tr, path, model_only=not full)
+            log.info(f"resumed from checkpoint step {step} at {path}" if full else
+                     f"initialized from the weights-only checkpoint at {path}; training starts at step 0")
+        elif self.c.enable and self.c.initial_load_path:
             self._initial_load(tr)
 
     def _initial_load(self, tr) -> None:
         path = self.c.initial_load_path
         if self.c.initial_load_in_hf:
             from tessera.checkpoint.hf import load_hf
-            load_hf(tr.model, path, family=self.cfg.model.name)
+            load_hf(tr.model, path, family=self.cfg.model.name, args=tr.model_args)
         else:
             if not os.path.isfile(os.path.join(path, ".metadata")):
                 raise ConfigError(f"checkpoint.initial_load_path: '{path}' is not a DCP checkpoint (no .metadata)")
-            self._load(tr, path, model_only=self.c.initial_load_model_only, step=0)
+            self._load(tr, path, model_only=self.c.initial_load_model_only)
         log.info(f"initialized from {path}{' (Hugging Face)' if self.c.initial_load_in_hf else ''}")
 
-    def _load(self, tr, path: str, model_only: bool, step: int) -> None:
+    def _load(self, tr, path: str, model_only: bool) -> None:
         excluded = set(self.c.exclude_from_loading)
         model_only = model_only or {"optimizer", "train_state"} <= excluded
         state = self._state(tr, model_only)
+        check_shapes(path, state["model"])
         if "optimizer" in excluded:
             state.pop("optimizer", None)
         if "train" in state:
@@ -245,15 +252,16 @@ class Checkpointer:
         set_model_state_dict(tr.model, state["model"], options=StateDictOptions(strict=True))
         if "optimizer" in state:
             set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
-        if "train" not in state:
-            tr.step = step
-            return
-        state["train"].seek(0)
-        train = torch.load(state["train"], weights_only=False)
+        if "train" in state:
+            state["train"].seek(0)
+            self._load_train_state(tr, torch.load(state["train"], weights_only=False), excluded)
+
+    @staticmethod
+    def _load_train_state(tr, train: dict, excluded: set[str]) -> None:
         if "train_state" not in excluded:
             tr.step, tr.tokens_seen = train["train_state"]["step"], train["train_state"]["tokens_seen"]
         if "lr_scheduler" not in excluded:
-            tr.scheduler.load_state_dict(train["lr_scheduler"])
+            resume_lr(tr.scheduler, train["lr_scheduler"])
         if "dataloader" not in excluded:
             tr.loader.load_state_dict(train["dataloader"])
         if "rng" not in excluded:

@@ -5,6 +5,7 @@ Torch-free on purpose: `run_train.sh` checks a config in well under a second bef
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 import types
@@ -93,11 +94,18 @@ def _set(cfg: JobConfig, options, key: str, value: Any, where: str, from_cli: bo
         raise _unknown(key, options, where)
     owner, f = options[key]
     value = _convert(value, _field_type(owner, f), key, where, from_cli)
-    choices, low = f.metadata.get("choices"), f.metadata.get("min")
+    choices, low, high, below = (f.metadata.get(k) for k in ("choices", "min", "max", "below"))
     if choices and value not in choices:
         raise ConfigError(f"{key}{where}: {value!r} is not one of {', '.join(map(str, choices))}")
-    if low is not None and value is not None and not value >= low:  # `not >=` also refuses NaN
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}{where}: {value!r} is {'not a number' if math.isnan(value) else 'infinite'}; "
+                          f"give a finite number")
+    if low is not None and value is not None and value < low:
         raise ConfigError(f"{key}{where}: {value!r} is below the minimum {low}")
+    if high is not None and value is not None and value > high:
+        raise ConfigError(f"{key}{where}: {value!r} is above the maximum {high}")
+    if below is not None and value is not None and value >= below:
+        raise ConfigError(f"{key}{where}: {value!r} must be below {below}")
     setattr(owner, f.name, value)
 
 
@@ -129,6 +137,8 @@ def _split_cli(argv: list[str], options) -> list[tuple[str, str]]:
                 raise ConfigError(f"--{key}: missing value")
             else:
                 value, i = nxt, i + 1
+        if any(k == key for k, _ in pairs):
+            raise ConfigError(f"--{key} is given twice on the command line; keep one")
         pairs.append((key, value))
         i += 1
     return pairs
@@ -139,8 +149,10 @@ def parse_args(argv: list[str]) -> JobConfig:
     cfg = JobConfig()
     options = _options(cfg)
     cli = _split_cli(argv, options)
-    path = next((v for k, v in reversed(cli) if k == "job.config_file"), "")
+    path = next((v for k, v in cli if k == "job.config_file"), "")
     if path:
+        if os.path.isdir(path):
+            raise ConfigError(f"job.config_file: '{path}' is a folder; name a .toml file (configs/ has examples)")
         if not os.path.isfile(path):
             raise ConfigError(f"job.config_file: no such file '{path}'")
         try:

@@ -9,9 +9,11 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
 
 
-def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None) -> Any:
-    """A config field: its default, the one-line doc `--help` prints, and its valid range."""
-    meta = {"doc": doc, "choices": choices, "min": min}
+def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None, max: float | None = None,
+        below: float | None = None) -> Any:
+    """A config field: its default, the one-line doc `--help` prints, and its valid range ([min, max], and
+    strictly under `below`). Floats must be finite."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "below": below}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -27,7 +29,9 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "size preset: a row of the table in tessera/models/<name>/args.py")
+    flavor: str = opt("", "size preset: a row of the table in tessera/models/<name>/args.py; empty = the "
+                      "architecture of the checkpoint resumed or the Hugging Face config.json imported, else "
+                      "debugmodel")
     hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte tokenizer")
     converters: list[str] = opt([], "module converters applied before parallelism, e.g. quantize.linear.float8")
 
@@ -36,8 +40,8 @@ class Model:
 class Optimizer:
     name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
     lr: float = opt(8e-4, "peak learning rate", min=0.0)
-    beta1: float = opt(0.9, "Adam beta1", min=0.0)
-    beta2: float = opt(0.95, "Adam beta2", min=0.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0, below=1.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0, below=1.0)
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
     implementation: str = opt("auto", "auto = fused (the fastest on CUDA and CPU)",
@@ -47,9 +51,10 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "steps of linear warmup from ~0 to optimizer.lr", min=0)
-    decay_ratio: float | None = opt(None, "share of steps spent decaying at the end (WSD); none = decay right after warmup", min=0.0)
+    decay_ratio: float | None = opt(None, "share of steps spent decaying at the end (WSD); none = decay right "
+                                    "after warmup", min=0.0, max=1.0)
     decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = opt(0.0, "final lr as a fraction of optimizer.lr", min=0.0)
+    min_lr_factor: float = opt(0.0, "final lr as a fraction of optimizer.lr", min=0.0, max=1.0)
 
 
 @dataclass
@@ -65,7 +70,10 @@ class Training:
     data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
                             "documents, 1/gcd(data_streams, DP degree) of them; part of the data order: keep it "
                             "fixed for a run", min=1)
-    seed: int = opt(0, "seed for initialization and data order", min=0)
+    max_bad_records: int = opt(100, "data records that may be skipped (malformed JSON, a text that is not a string, "
+                               "bytes that are not UTF-8), each counted and logged with its file and line; one more "
+                               "stops the run; -1 = no limit", min=-1)
+    seed: int = opt(0, "seed for initialization and data order", min=0, max=2**32 - 1)
     deterministic: bool = opt(False, "use deterministic kernels (bit-exact reruns, slower)")
     mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 on CPU",
                                      choices=("auto", "float32", "bfloat16"))

@@ -1,8 +1,11 @@
 """Cross-field checks, run before any process group or file exists. Each failure is one ConfigError line."""
 
 import glob
+import json
 import os
 
+from tessera import architecture
+from tessera.checkpoint.folder import read_saved_config, resume_point
 from tessera.config.manager import ConfigError
 from tessera.config.sections import LOADABLE_PARTS, JobConfig
 from tessera.models import FAMILIES, flavors, takes_tokenizer_vocab
@@ -23,16 +26,18 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     m, t = cfg.model, cfg.training
     if m.name not in FAMILIES:
         raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
-    if m.flavor not in flavors(m.name):
+    if m.flavor and m.flavor not in flavors(m.name):
         raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
                           f"{', '.join(flavors(m.name))}")
+    _check_folders(cfg)
+    _check_schedule(cfg)
+    if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
+    args = _check_resume(cfg)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
-    if t.dataset == "files" and not t.dataset_path:
-        raise ConfigError("training.dataset_path: empty, but training.dataset = 'files' needs a file, folder or glob")
-    if t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
-        raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
+    _check_data(cfg)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
     except ValueError as e:
@@ -42,9 +47,9 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
     if dims.tp > 1:
-        _check_tp(cfg, dims.tp)
+        _check_tp(cfg, args, dims.tp)
     if dims.pp > 1:
-        _check_pp(cfg, dims.pp)
+        _check_pp(cfg, args, dims.pp)
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
         raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
                           f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")
@@ -55,32 +60,114 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' is neither 'op' "
                           f"nor a positive integer")
+    if cfg.compile.enable and not cfg.compile.components:
+        raise ConfigError("compile.components: empty while compile.enable = true; name model and/or loss, or turn "
+                          "compile off")
     if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
         raise ConfigError(f"compile.components: {cfg.compile.components} may only hold 'model' and 'loss'")
     return dims
 
 
-def _check_tp(cfg: JobConfig, tp: int) -> None:
-    args, p = flavors(cfg.model.name)[cfg.model.flavor], cfg.parallelism
+def _writable_folder(key: str, path: str) -> None:
+    """`path` is a folder this process can write, or can create: refused now, not at the first save."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key}: '{probe}' is a file, so the folder '{path}' cannot be made; pick another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{probe}' is not writable by this user, so '{path}' cannot be written; pick a "
+                          f"writable path")
+
+
+def _check_folders(cfg: JobConfig) -> None:
+    if not cfg.job.dump_folder.strip():
+        raise ConfigError("job.dump_folder: empty; name the folder for this run's logs and checkpoints")
+    _writable_folder("job.dump_folder", cfg.job.dump_folder)
+    if cfg.checkpoint.enable:
+        if not cfg.checkpoint.folder.strip():
+            raise ConfigError("checkpoint.folder: empty; name a folder inside job.dump_folder, e.g. 'checkpoint'")
+        _writable_folder("checkpoint.folder", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+
+
+def _check_schedule(cfg: JobConfig) -> None:
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    if s.warmup_steps > steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} is longer than the run (training.steps = "
+                          f"{steps}); the peak lr would never be reached")
+    if s.decay_ratio is not None and s.warmup_steps + round(s.decay_ratio * steps) > steps:
+        raise ConfigError(f"lr_scheduler.decay_ratio: warm-up {s.warmup_steps} + decay {round(s.decay_ratio * steps)}"
+                          f" steps is longer than the run ({steps} steps); lower one of them")
+
+
+def _check_resume(cfg: JobConfig):
+    """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
+    the architecture the run will build (its vocabulary may still follow the tokenizer)."""
+    resume = None
+    if cfg.checkpoint.enable:
+        try:
+            resume = resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if resume is not None and resume[2].get("kind") == "full":
+        step, path, _ = resume
+        saved = read_saved_config(path).get("training", {})
+        if "data_streams" in saved and saved["data_streams"] != cfg.training.data_streams:
+            raise ConfigError(f"training.data_streams: {cfg.training.data_streams}, but the checkpoint at {path} "
+                              f"dealt its data to {saved['data_streams']} streams; set --training.data_streams "
+                              f"{saved['data_streams']} to resume it, or pick another job.dump_folder")
+        if cfg.training.steps < step:
+            raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
+                              f"{path} reached; raise training.steps to extend the run, or pick another "
+                              f"job.dump_folder")
+    return architecture.resolve(cfg, None, resume[1] if resume else None)
+
+
+def _check_data(cfg: JobConfig) -> None:
+    """The dataset, its first documents, and that tokenizer.json is whole: what would otherwise fail once ranks
+    run. (Whether the Hub answers is asked by each rank, when it opens the stream: a config can be checked offline.)"""
+    from tessera.data import sources
+
+    t = cfg.training
+    sources.check_dataset(t.dataset, t.dataset_path)
+    if t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
+        raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
+    if t.dataset == "files":
+        sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable)
+    if cfg.model.hf_assets_path:
+        path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                json.load(fh)
+        except ValueError as e:  # a download cut short, or not JSON at all
+            raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
+
+
+def _check_tp(cfg: JobConfig, args, tp: int) -> None:
+    p = cfg.parallelism
     for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
                        ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
         if what == "vocab size" and cfg.model.flavor in takes_tokenizer_vocab(cfg.model.name):
             continue  # known once the tokenizer is loaded; checked then (check_vocab)
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) of "
-                              f"{cfg.model.name} {cfg.model.flavor}; pick a divisor")
+                              f"{cfg.model.name} {cfg.model.flavor or 'model'}; pick a divisor")
     if args.tie_embeddings:
-        raise ConfigError(f"parallelism.tensor_parallel_degree: {cfg.model.flavor} ties its embeddings, which tensor "
-                          f"parallelism does not support yet; use FSDP (data_parallel_shard_degree) instead")
+        raise ConfigError(f"parallelism.tensor_parallel_degree: {cfg.model.flavor or 'the model'} ties its embeddings, "
+                          f"which tensor parallelism does not support yet; use FSDP (data_parallel_shard_degree) instead")
     if p.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
                           "(it is an inductor pass over NCCL symmetric memory); turn it off here")
 
 
-def check_vocab(cfg: JobConfig, vocab_size: int, tp: int) -> None:
+def check_vocab(cfg: JobConfig, vocab_size: int, tokenizer_vocab: int, tp: int) -> None:
+    """Once the tokenizer is loaded: the model's vocabulary holds every token id, and TP divides it."""
+    if tokenizer_vocab > vocab_size:
+        raise ConfigError(f"model.hf_assets_path: the tokenizer has {tokenizer_vocab} tokens, more than the model's "
+                          f"vocabulary ({vocab_size}); use the model's own tokenizer")
     if tp > 1 and vocab_size % tp:
-        raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the tokenizer's vocab size "
-                          f"({vocab_size}) for {cfg.model.flavor}; pick a divisor")
+        raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the vocab size "
+                          f"({vocab_size}) of {cfg.model.flavor or 'the model'}; pick a divisor")
 
 
 def _has_cuda() -> bool:
@@ -96,19 +183,23 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
     if c.async_mode == "async_with_pinned_mem" and not _has_cuda():
         raise ConfigError("checkpoint.async_mode: async_with_pinned_mem needs a CUDA device to pin memory for; "
                           "use 'async' here")
-    if c.initial_load_path and not os.path.exists(c.initial_load_path):
-        raise ConfigError(f"checkpoint.initial_load_path: no such folder '{c.initial_load_path}'")
+    if c.initial_load_path and not c.enable:
+        raise ConfigError("checkpoint.initial_load_path: set, but checkpoint.enable = false, so nothing would load "
+                          "it; set checkpoint.enable = true")
+    if c.initial_load_in_hf and not c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf: set without checkpoint.initial_load_path; name the Hugging "
+                          "Face folder to start from")
     bad = set(c.exclude_from_loading) - set(LOADABLE_PARTS)
     if bad:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
                           f"{', '.join(LOADABLE_PARTS)}")
 
 
-def _check_pp(cfg: JobConfig, pp: int) -> None:
-    args, p = flavors(cfg.model.name)[cfg.model.flavor], cfg.parallelism
+def _check_pp(cfg: JobConfig, args, pp: int) -> None:
+    p = cfg.parallelism
     if args.tie_embeddings:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.flavor} ties its embeddings across the "
-                          f"first and last stage, which pipelining does not support; use FSDP/TP instead")
+        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.flavor or 'the model'} ties its embeddings "
+                          f"across the first and last stage, which pipelining does not support; use FSDP/TP instead")
     if p.pipeline_parallel_schedule_csv and not os.path.isfile(p.pipeline_parallel_schedule_csv):
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv: no such file "
                           f"'{p.pipeline_parallel_schedule_csv}'")

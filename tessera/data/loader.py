@@ -9,6 +9,7 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.config.sections import JobConfig
+from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import documents
 from tessera.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -149,8 +150,8 @@ class TokenLoader:
                 self._epoch_has_docs = True
                 return texts
             if not self._epoch_has_docs:
-                raise ValueError(f"the dataset yielded no documents in epoch {self._epoch}; "
-                                 f"check training.dataset / dataset_path and the split")
+                raise DataError(f"training.dataset: the data yielded no documents in epoch {self._epoch}; check "
+                                f"training.dataset / dataset_path and the split")
             self._epoch += 1
             self._doc_iter = iter(self._docs(self._epoch))
             self._epoch_has_docs = False
@@ -168,9 +169,11 @@ class TokenLoader:
         return [np.concatenate([bos, np.asarray(doc, dtype=np.int32), eos]) for doc in ids]
 
 
-def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
-                     split: str = "train") -> TokenLoader:
-    """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks."""
+def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
+                     bad: BadRecords | None = None) -> TokenLoader:
+    """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks. `bad`
+    counts the records skipped (one count for the splits of a run; default: a fresh one)."""
     t = cfg.training
-    docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed)
+    bad = BadRecords(t.max_bad_records) if bad is None else bad
+    docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed, bad=bad)
     return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams)

@@ -2,13 +2,16 @@
 
 import functools
 import glob
-import json
 import os
 import random
 import sysconfig
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+
+from tessera.data.records import BadRecords, DataError, file_texts, missing_field
 
 SPLITS = ("train", "validation")
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -21,17 +24,30 @@ _FILES_HOLDOUT_MOD = 100  # 1 document in 100 is validation
 _HUB_SHUFFLE_BUFFER = 10_000
 
 
-def documents(dataset: str, path: str, text_field: str, split: str, seed: int, epoch: int) -> Iterator[str]:
-    """The documents of `split` for one epoch. Errors in the configuration surface here, not on first use."""
+def documents(dataset: str, path: str, text_field: str, split: str, seed: int, epoch: int,
+              bad: BadRecords | None = None) -> Iterator[str]:
+    """The non-empty documents of `split` for one epoch; bad records are counted in `bad` (None: the first one
+    raises DataError). Errors in the configuration surface here, not on first use."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_dataset(dataset, path)
     if dataset == "stdlib":
         return _stdlib_documents(split, seed, epoch)
     if dataset == "files":
-        return _file_documents(_resolve_files(path), text_field, split)
-    if dataset in HUB_ALIASES or "/" in dataset:
-        return _hub_documents(dataset, path, text_field, split, seed, epoch)
-    raise ValueError(f"unknown training.dataset {dataset!r}: use stdlib, files, c4 or a hub id ORG/NAME")
+        return _file_documents(_resolve_files(path), text_field, split, BadRecords(0) if bad is None else bad)
+    return _hub_documents(dataset, path, text_field, split, seed, epoch)
+
+
+def check_dataset(dataset: str, path: str) -> None:
+    """The dataset name and whether it takes training.dataset_path."""
+    if dataset not in ("stdlib", "files") and dataset not in HUB_ALIASES and "/" not in dataset:
+        raise DataError(f"training.dataset: unknown dataset {dataset!r}; use stdlib, files (with "
+                        f"training.dataset_path), c4, or a hub id ORG/NAME (e.g. Salesforce/{dataset})")
+    if dataset == "stdlib" and path:
+        raise DataError(f"training.dataset_path: {path!r} is given, but training.dataset = 'stdlib' reads the "
+                        f"built-in corpus; set training.dataset = 'files' to train on it, or leave the path empty")
+    if dataset == "files" and not path:
+        raise DataError("training.dataset_path: empty, but training.dataset = 'files' needs a file, folder or glob")
 
 
 # --- stdlib: the running interpreter's own source files, always available offline -------------------------
@@ -73,8 +89,6 @@ def _read_nonempty(files: list[Path]) -> Iterator[str]:
 
 def _resolve_files(path: str) -> list[Path]:
     """A file, a folder (searched recursively) or a glob -> the supported data files, sorted."""
-    if not path:
-        raise ValueError("training.dataset = 'files' needs training.dataset_path (a file, folder or glob)")
     matches = [Path(path)] if Path(path).exists() else [Path(p) for p in sorted(glob.glob(path, recursive=True))]
     files = []
     for match in matches:
@@ -83,54 +97,62 @@ def _resolve_files(path: str) -> list[Path]:
         elif match.suffix in FILE_SUFFIXES:
             files.append(match)
     if not files:
-        raise FileNotFoundError(f"no {'/'.join(FILE_SUFFIXES)} files found at training.dataset_path={path!r}")
+        raise DataError(f"training.dataset_path: no {'/'.join(FILE_SUFFIXES)} files found at {path!r}")
     return files
 
 
-def _file_documents(files: list[Path], text_field: str, split: str) -> Iterator[str]:
-    # Documents are counted across all files so a single-file dataset still gets a held-out split.
+def _file_documents(files: list[Path], text_field: str, split: str, bad: BadRecords) -> Iterator[str]:
+    # Records are counted across all files so a single-file dataset still gets a held-out split; a skipped
+    # record keeps its place, so the split of every other record stays where it was.
     want_val = split == "validation"
     k = 0
     for file in files:
-        for text in _file_texts(file, text_field):
+        for text in file_texts(file, text_field, bad):
             if (k % _FILES_HOLDOUT_MOD == _FILES_HOLDOUT_MOD - 1) == want_val and text is not None:
                 yield text
             k += 1
 
 
-def _file_texts(file: Path, text_field: str) -> Iterator[str | None]:
-    if file.suffix == ".txt":
-        yield file.read_text(encoding="utf-8", errors="replace")
-    elif file.suffix == ".parquet":
-        yield from _parquet_texts(file, text_field)
-    else:  # .jsonl / .json: one JSON object per line
-        with open(file, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    if text_field not in row:
-                        raise _missing_field(file, text_field, list(row))
-                    yield row[text_field]
-
-
-def _parquet_texts(file: Path, text_field: str) -> Iterator[str | None]:
-    import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
-
-    parquet = pq.ParquetFile(file)
-    if text_field not in parquet.schema_arrow.names:
-        raise _missing_field(file, text_field, parquet.schema_arrow.names)
-    # Batches keep memory bounded for files much larger than RAM.
-    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        yield from batch.column(0).to_pylist()
-
-
-def _missing_field(file: Path | str, text_field: str, present: list[str]) -> ValueError:
-    return ValueError(f"{file}: no field {text_field!r} (training.dataset_text_field); fields present: {present}")
+def check_files(path: str, text_field: str, validation: bool) -> None:
+    """Before training: the files at `path` hold a document for training and, with `validation`, one held out
+    (1 record in 100 is). Reads up to the first of each, so it is quick for any size of data."""
+    files, bad = _resolve_files(path), BadRecords(-1, quiet=True)
+    named = f"{files[0]}" if len(files) == 1 else f"{len(files)} files at {path!r}"
+    found = next(_file_documents(files, text_field, "train", bad), None)
+    if found is None:
+        why = f"; {bad.count} bad record(s), the first {bad.first}" if bad.count else ""
+        raise DataError(f"training.dataset_path: no text in {named}: every document is empty{why}")
+    if validation and next(_file_documents(files, text_field, "validation", bad), None) is None:
+        raise DataError(f"validation.enable: the validation split of {named} is empty: it holds out record 100, "
+                        f"200, ... and the data has fewer; add data, or set validation.enable = false")
 
 
 # --- hub datasets via `datasets` streaming ------------------------------------------------------------------
 
+def check_hub(dataset: str, path: str, timeout_s: float = 3.0) -> None:
+    """A dataset streamed from the Hugging Face Hub needs the Hub: refuse at once when offline mode is set or the
+    endpoint does not answer within `timeout_s`, rather than retry for half a minute."""
+    if path or dataset in ("stdlib", "files"):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
+                                                                                 "HF_DATASETS_OFFLINE")):
+        why = "the machine is offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)"
+    else:
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answered
+        except (OSError, ValueError) as e:
+            why = f"the Hub at {endpoint} does not answer ({getattr(e, 'reason', e)}): offline?"
+    source = HUB_ALIASES.get(dataset, (dataset,))[0]
+    raise DataError(f"training.dataset: {dataset!r} streams {source!r} from the Hugging Face Hub, but {why}; use "
+                    f"training.dataset = 'stdlib', or a local copy via training.dataset_path")
+
+
 def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: int, epoch: int) -> Iterator[str]:
+    check_hub(dataset, path)
     import datasets  # deferred: importing `datasets` takes seconds and most runs never need it
 
     name, config = HUB_ALIASES.get(dataset, (dataset, None))
@@ -140,25 +162,19 @@ def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: i
             config = None  # a plain folder of data files has no named configs, only "default"
         ds = datasets.load_dataset(source, config, split=split, streaming=True)
     except Exception as e:  # noqa: BLE001 - network, auth and cache failures all arrive as different types
-        raise _hub_error(dataset, source, not path, e) from e
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"training.dataset: could not load {source!r} ({dataset!r}): {detail}") from e
     if split == "train":
         ds = ds.shuffle(seed=seed * 1000 + epoch, buffer_size=_HUB_SHUFFLE_BUFFER)
     return _hub_texts(ds, text_field, source)
 
 
 def _hub_texts(rows, text_field: str, source: str) -> Iterator[str]:
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         if text_field not in row:
-            raise _missing_field(source, text_field, list(row))
-        yield row[text_field]
-
-
-def _hub_error(dataset: str, source: str, from_hub: bool, error: Exception) -> RuntimeError:
-    offline_env = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if from_hub and (offline_env or isinstance(error, (ConnectionError, TimeoutError))):
-        return RuntimeError(f"could not load dataset {source!r} (training.dataset={dataset!r}): the machine seems "
-                            f"offline ({detail}); use training.dataset='stdlib', or a local copy via "
-                            f"training.dataset_path (dataset='files' for plain .txt/.jsonl/.parquet)")
-    return RuntimeError(f"could not load dataset {source!r} (training.dataset={dataset!r}): {detail}")
+            raise missing_field(source, text_field, list(row))
+        if not isinstance(row[text_field], str):
+            raise DataError(f"{source} row {n}: {text_field!r} (training.dataset_text_field) is a "
+                            f"{type(row[text_field]).__name__}, not a string")
+        if row[text_field].strip():
+            yield row[text_field]

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from tessera.config.manager import ConfigError
+
 # Tried in order when tokenizer_config.json does not name a usable BOS/EOS (Llama 3, Llama 2/Mistral, GPT-2, Gemma).
 _BOS_FALLBACKS = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>")
 _EOS_FALLBACKS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
@@ -41,9 +43,16 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer  # deferred: only needed when a folder is configured
 
         folder = Path(folder)
-        self._tok = _Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            self._tok = _Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt file
+            raise ConfigError(f"model.hf_assets_path: {folder / 'tokenizer.json'} is not a tokenizer `tokenizers` "
+                              f"reads ({str(e).splitlines()[0][:200]}); download it again") from None
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except ValueError as e:
+            raise ConfigError(f"model.hf_assets_path: {config_file} is not valid JSON ({e})") from None
         self.bos_id = self._special_id(config.get("bos_token"), _BOS_FALLBACKS, "BOS", folder)
         self.eos_id = self._special_id(config.get("eos_token"), _EOS_FALLBACKS, "EOS", folder)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -57,8 +66,8 @@ class HFTokenizer:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
                 return token_id
-        raise ValueError(f"no {kind} token found in {folder}: tried {candidates}; "
-                         f"set {kind.lower()}_token in tokenizer_config.json")
+        raise ConfigError(f"model.hf_assets_path: no {kind} token found in {folder}: tried {candidates}; "
+                          f"set {kind.lower()}_token in tokenizer_config.json")
 
     def encode(self, text: str) -> list[int]:
         # BOS/EOS are added by the loader at document boundaries, never by the tokenizer's template.
@@ -77,6 +86,6 @@ def build_tokenizer(hf_assets_path: str) -> ByteTokenizer | HFTokenizer:
         return ByteTokenizer()
     tokenizer_file = Path(hf_assets_path) / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"{tokenizer_file} not found (model.hf_assets_path); "
-                                f"leave model.hf_assets_path empty for the built-in byte tokenizer")
+        raise ConfigError(f"model.hf_assets_path: {tokenizer_file} not found; leave model.hf_assets_path empty for "
+                          f"the built-in byte tokenizer")
     return HFTokenizer(hf_assets_path)

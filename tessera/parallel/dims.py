@@ -24,7 +24,7 @@ class ParallelDims:
                 raise ValueError(
                     f"parallelism: replicate {p.data_parallel_replicate_degree} x cp {p.context_parallel_degree} "
                     f"x tp {p.tensor_parallel_degree} x pp {p.pipeline_parallel_degree} = {fixed} does not divide "
-                    f"the world size {world_size}")
+                    f"the world size {world_size} (processes: NGPU x nodes)")
             shard = world_size // fixed
         if shard < 1:
             raise ValueError(f"parallelism.data_parallel_shard_degree: {shard} must be -1 or >= 1")

@@ -20,15 +20,30 @@ class Llama3Args:
     rope_original_max_pos: int = 8192
     max_seq_len: int = 8192  # length of the RoPE table; set from training.seq_len
     tie_embeddings: bool = False
+    head_dim_override: int = 0  # 0: dim // n_heads; Hugging Face configs may set head_dim apart
+    ffn_hidden_override: int = 0  # 0: from ffn_dim_multiplier and multiple_of; HF configs give intermediate_size
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
     @property
     def ffn_hidden(self) -> int:
+        if self.ffn_hidden_override:
+            return self.ffn_hidden_override
         hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
         return self.multiple_of * -(-hidden // self.multiple_of)
+
+    def arch(self) -> dict:
+        """What the model computes with, to compare two args: the sizes, not the recipe that derives them."""
+        out = dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                   head_dim=self.head_dim, ffn_hidden=self.ffn_hidden, vocab_size=self.vocab_size,
+                   norm_eps=self.norm_eps, rope_theta=self.rope_theta, rope_scaling_factor=self.rope_scaling_factor,
+                   tie_embeddings=self.tie_embeddings)
+        if self.rope_scaling_factor:
+            out.update(rope_low_freq_factor=self.rope_low_freq_factor, rope_high_freq_factor=self.rope_high_freq_factor,
+                       rope_original_max_pos=self.rope_original_max_pos)
+        return out
 
 
 # name: dim, layers, heads, kv heads, ffn multiplier, multiple_of, rope scaling factor, tied embeddings
