@@ -24,9 +24,9 @@ from common import (  # noqa: E402, I001
     write_json,
 )
 from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
-from tessera.metrics import flops_per_token, measure_gemm_peak  # noqa: E402
+from tessera.metrics import measure_gemm_peak  # noqa: E402
 from tessera.models.llama3.args import FLAVORS, TAKES_TOKENIZER_VOCAB  # noqa: E402
-from tessera.models import num_params  # noqa: E402
+from tessera.models import family, num_params  # noqa: E402
 from tessera.models.llama3.model import Transformer  # noqa: E402
 from tessera.parallel.init import materialize  # noqa: E402
 from tessera.train import train_step  # noqa: E402
@@ -103,9 +103,9 @@ def main() -> None:
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     model, opt, args = build_plain(cfg, device, tokenizer.vocab_size)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else torch.autocast(device.type, enabled=False)
-    fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
-                          a.seq_len)
-    assert fpt == tr.flops_per_token, (fpt, tr.flops_per_token)
+    counts = family("llama3").counts(args, a.seq_len)
+    assert counts.params == num_params(model), (counts.params, num_params(model))
+    fpt = counts.flops_per_token
     # The plain loop gets the first warmup + steps batches of the trainer's own data stream, on the device already.
     loader = build_dataloader(cfg, tokenizer, 0, 1)
     batches = [tuple(x.to(device) for x in loader.next_batch()) for _ in range(a.warmup + a.steps)]

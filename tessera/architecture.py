@@ -18,8 +18,9 @@ def asked_args(cfg: JobConfig, vocab_size: int | None):
     for the flavors that take it, the tokenizer's vocabulary (kept as the table's when not known yet)."""
     if not cfg.model.flavor:
         return None
-    args = dataclasses.replace(models.flavors(cfg.model.name)[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
-    if vocab_size is not None and cfg.model.flavor in models.takes_tokenizer_vocab(cfg.model.name):
+    fam = models.family(cfg.model.name)
+    args = dataclasses.replace(fam.flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+    if vocab_size is not None and cfg.model.flavor in fam.takes_tokenizer_vocab:
         args = dataclasses.replace(args, vocab_size=vocab_size)
     return args
 
@@ -55,7 +56,7 @@ def _refuse(where: str, diffs: list[str], fix: str) -> ConfigError:
 def _vocab_of(cfg: JobConfig, asked, vocab_size: int | None, loaded):
     """`asked`, with `loaded`'s vocabulary while the tokenizer's is unknown for a flavor that takes it (the
     comparison is made again once the tokenizer is loaded)."""
-    if vocab_size is None and cfg.model.flavor in models.takes_tokenizer_vocab(cfg.model.name):
+    if vocab_size is None and cfg.model.flavor in models.family(cfg.model.name).takes_tokenizer_vocab:
         return dataclasses.replace(asked, vocab_size=loaded.vocab_size)
     return asked
 

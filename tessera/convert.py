@@ -28,7 +28,6 @@ from tessera.checkpoint.manager import write_marker, write_run_record
 from tessera.config import ConfigError, parse_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EMBED = "tok_embeddings.weight"
 
 
 def _config(src: Path | None, opts: argparse.Namespace):
@@ -37,15 +36,16 @@ def _config(src: Path | None, opts: argparse.Namespace):
         if getattr(opts, key) is not None:
             argv += [f"--{key}", getattr(opts, key)]
     cfg = parse_args(argv)
-    if cfg.model.flavor and cfg.model.flavor not in models.flavors(cfg.model.name):
+    flavors = models.family(cfg.model.name).flavors
+    if cfg.model.flavor and cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor: unknown {cfg.model.name} flavor '{cfg.model.flavor}'; one of "
-                          f"{', '.join(models.flavors(cfg.model.name))}")
+                          f"{', '.join(flavors)}")
     return cfg
 
 
 def _build(cfg, args):
     with torch.device("meta"):
-        model = models.family(cfg.model.name).Transformer(args)
+        model = models.family(cfg.model.name).spec().model(args)
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
     return model
@@ -56,9 +56,10 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
         raise HFError(f"'{src}' is not a DCP checkpoint (no .metadata)")
     cfg = _config(src, opts)
     saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    if f"model.{EMBED}" not in saved:
-        raise HFError(f"'{src}' holds no model.{EMBED}: not a Tessera checkpoint")
-    args = architecture.resolve(cfg, saved[f"model.{EMBED}"].size[0], str(src))
+    embedding = f"model.{models.family(cfg.model.name).embedding}"
+    if embedding not in saved:
+        raise HFError(f"'{src}' holds no {embedding}: not a Tessera {cfg.model.name} checkpoint")
+    args = architecture.resolve(cfg, saved[embedding].size[0], str(src))
     model = _build(cfg, args)
     state = model.state_dict()
     for name, value in state.items():

@@ -18,12 +18,6 @@ _GPU_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B
              "MI325X": 1307e12, "MI250X": 383e12}
 
 
-def flops_per_token(num_params_non_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls with weights (forward 2N, backward 4N), plus
-    attention scores and values, 12 L H D_head S (causal masking not discounted, as in the PaLM paper)."""
-    return 6 * num_params_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len
-
-
 def measure_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                       seconds: float = 0.3) -> float:
     """Achieved FLOP/s of a square matmul: the machine's practical ceiling for MFU."""

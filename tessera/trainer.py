@@ -17,8 +17,7 @@ from tessera.config.validate import check_vocab
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
-from tessera.metrics import MetricsLogger, flops_per_token, peak_flops
-from tessera.models import num_params
+from tessera.metrics import MetricsLogger, peak_flops
 from tessera.optim import build_lr_scheduler, build_optimizer
 from tessera.parallel import cp, pp, pp_layout
 from tessera.parallel.compile import compile_loss
@@ -73,17 +72,17 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
                 loss: Callable) -> tuple[nn.Module, Pipeline | None]:
     """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` is what
     the pipeline schedule's last stage applies."""
-    family = models.family(cfg.model.name)
+    spec = models.family(cfg.model.name).spec()
     with torch.device("meta"):
-        model = family.Transformer(args)
+        model = spec.model(args)
     if world.dims.pp == 1:
-        model = family.parallelize(model, world, cfg)
+        model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)
         return model.train(), None
     pp_mesh = world.mesh["pp"]
-    stage_ids, parts = pp.split(model, pp_mesh, cfg, family.FIRST_STAGE_MODULES, family.LAST_STAGE_MODULES)
+    stage_ids, parts = pp.split(model, pp_mesh, cfg, spec.first_stage, spec.last_stage, spec.blocks)
     for part in parts:
-        family.parallelize(part, world, cfg)
+        spec.parallelize(part, world, cfg)
         _materialize(part, world, cfg)
         part.train()
     p = cfg.parallelism
@@ -95,16 +94,17 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
     share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
                                     lambda out, labels: loss(out, labels) / share)
-    view = pp.parts_view(parts, family.FIRST_STAGE_MODULES + family.LAST_STAGE_MODULES)
+    view = pp.parts_view(parts, spec.first_stage + spec.last_stage, spec.blocks)
     return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group())
 
 
 def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
     # FSDP CPU offload keeps sharded parameters in host memory.
+    cp_mesh = world.mesh["cp"] if world.dims.cp > 1 else None  # a rank holds chunks of each sequence
+    positions = cp.local_positions(cfg.training.seq_len, cp_mesh.get_local_rank(), cp_mesh.size()) if cp_mesh \
+        else None
     materialize(model, world.device, cfg.training.seed,
-                torch.device("cpu") if cfg.training.enable_cpu_offload else None)
-    if world.dims.cp > 1:  # each rank holds its chunks of the sequence: give them their global positions
-        cp.shard_rope(model, world.mesh["cp"], cfg.training.seq_len)
+                torch.device("cpu") if cfg.training.enable_cpu_offload else None, positions)
 
 
 def uses_loss_parallel(cfg: JobConfig, world: World) -> bool:
@@ -163,21 +163,18 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, bad=bad)
     val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation", bad=bad) \
         if cfg.validation.enable else None
-    with torch.device("meta"):  # counts of the whole model, whatever this rank holds
-        whole = models.family(cfg.model.name).Transformer(args)
-    fpt = flops_per_token(num_params(whole, exclude_embedding=True), args.n_layers, args.n_heads, args.head_dim,
-                          t.seq_len)
+    counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
-             f"{num_params(whole):,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
+             f"{counts.params:,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
              f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
-                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum, fpt, peak,
+                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum, counts.flops_per_token, peak,
                  autocast, uses_loss_parallel(cfg, world), loss, post_optimizer_hook(model, cfg), bad)
     tr.checkpointer.load(tr, resume)
-    start_run_folder(cfg, args, tr.checkpointer, num_params(whole))
+    start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

@@ -380,7 +380,8 @@ SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
 
 def test_shipped_configs_exist():
-    assert {"llama3_debug.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"} <= set(SHIPPED)
+    assert {"llama3_debug.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml", "qwen3_debug.toml",
+            "qwen3_0.6b.toml", "qwen3_8b.toml", "qwen3_32b.toml"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -392,10 +393,11 @@ def test_shipped_config_parses(name):
             assert get(cfg, key) == value, key
 
 
-def test_debug_config_validates_at_world_size_2():
-    dims = validate(parse_args(["--job.config_file", str(CONFIGS / "llama3_debug.toml")]), 2)
+@pytest.mark.parametrize("name", ["llama3_debug.toml", "qwen3_debug.toml"])
+def test_debug_config_validates_at_world_size_2(name):
+    dims = validate(parse_args(["--job.config_file", str(CONFIGS / name)]), 2)
     assert (dims.dp_shard, dims.dp_replicate, dims.tp, dims.world_size) == (2, 1, 1, 2)
-    proc = config_cli("--world-size", "2", "--job.config_file", str(CONFIGS / "llama3_debug.toml"))
+    proc = config_cli("--world-size", "2", "--job.config_file", str(CONFIGS / name))
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
 
 
@@ -416,6 +418,9 @@ def test_8b_config_validates_at_world_size_8_with_tokenizer(tmp_path):
 BIG = {
     "llama3_70b.toml": (256, ("parallelism.tensor_parallel_degree",)),
     "llama3_405b.toml": (512, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")),
+    "qwen3_0.6b.toml": (8, ()),
+    "qwen3_8b.toml": (8, ()),
+    "qwen3_32b.toml": (64, ("parallelism.tensor_parallel_degree",)),
 }
 
 

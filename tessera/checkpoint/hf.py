@@ -42,7 +42,7 @@ def _full_shapes(family: str, args) -> dict[str, torch.Size]:
     """Our name -> shape for every tensor of the whole model `args` describes (built on meta: no memory), so
     a pipeline stage, which holds some of them, checks and writes against the whole model."""
     with torch.device("meta"):
-        return {k: v.shape for k, v in models.family(family).Transformer(args).state_dict().items()}
+        return {k: v.shape for k, v in models.family(family).spec().model(args).state_dict().items()}
 
 
 def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
@@ -56,18 +56,20 @@ def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
 
 
 def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-            family: str = "llama3", max_shard_bytes: int = MAX_SHARD_BYTES, bos_id: int | None = None,
+            family: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, bos_id: int | None = None,
             eos_id: int | None = None) -> None:
     """Write `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` + `config.json` (and, given the
     tokenizer's `bos_id`/`eos_id`, `generation_config.json`) to `out_dir`.
 
-    `model_state`: our names -> tensors or DTensors (or the model itself, read with get_model_state_dict); under
-    pipeline parallelism, this rank's stages. Every rank of a job calls it: each writes its shards under
-    out_dir/sharded, then rank 0 merges them into full tensors and removes the shards.
+    `model_state`: our names -> tensors or DTensors (or the model itself, read with get_model_state_dict);
+    under pipeline parallelism, this rank's stages. `family`: by default the one `args` belong to. Every rank
+    of a job calls it: each writes its shards under out_dir/sharded, then rank 0 merges them into full tensors
+    and removes the shards.
     """
     if isinstance(model_state, nn.Module):
         model_state = get_model_state_dict(model_state)
-    hf = models.hf_adapter(family)
+    family = family or models.family_of(args).name
+    hf = models.family(family).hf
     state = hf.to_hf(model_state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -120,16 +122,17 @@ def hf_folder(path: str | os.PathLike) -> Path:
 
 
 @torch.no_grad()
-def load_hf(model: nn.Module, path: str | os.PathLike, family: str = "llama3", args=None) -> None:
+def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None, args=None) -> None:
     """Load HF safetensors (one file or sharded with an index) into `model` in place; every rank calls it.
 
     `model`: the whole model, or under pipeline parallelism a module over this rank's stages with the whole
-    model's names; `args`: the whole model's (default `model.args`). The folder must hold exactly that model:
-    its config.json describes the same architecture, and it has every tensor of it with its shape, and no
-    other. Plain or DTensor parameters alike: each rank reads only its own shards.
+    model's names; `args`: the whole model's (default `model.args`); `family`: by default theirs. The folder
+    must hold exactly that model: its config.json describes the same architecture, and it has every tensor of
+    it with its shape, and no other. Plain or DTensor parameters alike: each rank reads only its own shards.
     """
     folder = hf_folder(path)
     args = model.args if args is None else args
+    family = family or models.family_of(args).name
     try:
         theirs = models.hf_args(family, folder)
     except ValueError as e:
@@ -143,7 +146,7 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str = "llama3", a
         saved = reader.read_metadata().state_dict_metadata
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
         raise HFError(f"cannot read the safetensors files in '{folder}': {type(e).__name__}: {e}") from None
-    hf = models.hf_adapter(family)
+    hf = models.family(family).hf
     full = _full_shapes(family, args)
     ours = {}  # our name -> the checkpoint's name
     for name in saved:

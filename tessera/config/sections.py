@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.models import FAMILIES
+
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                 "DualPipeV")
@@ -28,7 +30,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "model family", choices=("llama3",))
+    name: str = opt("llama3", "model family", choices=FAMILIES)
     flavor: str = opt("", "size preset: a row of the table in tessera/models/<name>/args.py; empty = the "
                       "architecture of the checkpoint resumed or the Hugging Face config.json imported, else "
                       "debugmodel")
@@ -158,14 +160,16 @@ class Float8:
     recipe_name: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax all-reduce after each optimizer step")
-    filter_fqns: list[str] = opt(["output"], "skip linears whose name contains one of these; auto_filter_small_kn skips small GEMMs")
+    filter_fqns: list[str] = opt([], "also skip linears whose name contains one of these (the family's output head "
+                                 "is always skipped); auto_filter_small_kn skips small GEMMs")
     emulate: bool = opt(False, "emulate float8 matmuls (runs anywhere; for tests)")
 
 
 @dataclass
 class MX:
     recipe_name: str = opt("mxfp8_cublas", "MX recipe")
-    filter_fqns: list[str] = opt(["output"], "skip linears whose name contains one of these")
+    filter_fqns: list[str] = opt([], "also skip linears whose name contains one of these (the family's output head "
+                                 "is always skipped)")
     emulate: bool = opt(False, "emulate MX matmuls (runs anywhere; for tests)")
 
 

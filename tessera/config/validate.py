@@ -1,5 +1,6 @@
 """Cross-field checks, run before any process group or file exists. Each failure is one ConfigError line."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -8,7 +9,7 @@ from tessera import architecture
 from tessera.checkpoint.folder import read_saved_config, resume_point
 from tessera.config.manager import ConfigError
 from tessera.config.sections import LOADABLE_PARTS, JobConfig
-from tessera.models import FAMILIES, flavors, takes_tokenizer_vocab
+from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
@@ -26,9 +27,9 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     m, t = cfg.model, cfg.training
     if m.name not in FAMILIES:
         raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
-    if m.flavor and m.flavor not in flavors(m.name):
+    if m.flavor and m.flavor not in family(m.name).flavors:
         raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
-                          f"{', '.join(flavors(m.name))}")
+                          f"{', '.join(family(m.name).flavors)}")
     _check_folders(cfg)
     _check_schedule(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
@@ -46,8 +47,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
-    if dims.tp > 1:
-        _check_tp(cfg, args, dims.tp)
+    _check_layout(cfg, args, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
@@ -143,19 +143,16 @@ def _check_data(cfg: JobConfig) -> None:
             raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
 
 
-def _check_tp(cfg: JobConfig, args, tp: int) -> None:
-    p = cfg.parallelism
-    for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
-                       ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
-        if what == "vocab size" and cfg.model.flavor in takes_tokenizer_vocab(cfg.model.name):
-            continue  # known once the tokenizer is loaded; checked then (check_vocab)
-        if size % tp:
-            raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) of "
-                              f"{cfg.model.name} {cfg.model.flavor or 'model'}; pick a divisor")
-    if args.tie_embeddings:
-        raise ConfigError(f"parallelism.tensor_parallel_degree: {cfg.model.flavor or 'the model'} ties its embeddings, "
-                          f"which tensor parallelism does not support yet; use FSDP (data_parallel_shard_degree) instead")
-    if p.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
+def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """What the family accepts of TP and PP (its vocabulary, when the tokenizer's, is checked once known)."""
+    fam = family(cfg.model.name)
+    if cfg.model.flavor in fam.takes_tokenizer_vocab:
+        args = dataclasses.replace(args, vocab_size=0)
+    try:
+        fam.check_layout(args, dims.tp, dims.pp, f"{cfg.model.name} {cfg.model.flavor or 'model'}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
                           "(it is an inductor pass over NCCL symmetric memory); turn it off here")
 
@@ -197,9 +194,6 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
 
 def _check_pp(cfg: JobConfig, args, pp: int) -> None:
     p = cfg.parallelism
-    if args.tie_embeddings:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.flavor or 'the model'} ties its embeddings "
-                          f"across the first and last stage, which pipelining does not support; use FSDP/TP instead")
     if p.pipeline_parallel_schedule_csv and not os.path.isfile(p.pipeline_parallel_schedule_csv):
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv: no such file "
                           f"'{p.pipeline_parallel_schedule_csv}'")

@@ -1,29 +1,32 @@
-"""Model families. Each has `args.py` (torch-free flavors), `model.py`, `parallelize.py`, and `spec.py` tying them."""
+"""Model families. Each lives in one folder, `tessera/models/<name>/`, whose `__init__.py` defines `FAMILY`
+(a tessera.models.contract.Family); the building blocks they share are in `tessera/models/common/`."""
 
+import dataclasses
 import importlib
+import json
+import os
 
-FAMILIES = ("llama3",)
-
-
-def flavors(name: str) -> dict:
-    return importlib.import_module(f"tessera.models.{name}.args").FLAVORS
-
-
-def takes_tokenizer_vocab(name: str) -> set:
-    return importlib.import_module(f"tessera.models.{name}.args").TAKES_TOKENIZER_VOCAB
+FAMILIES = ("llama3", "qwen3")
 
 
 def family(name: str):
-    """The family's spec module: FLAVORS, Transformer, parallelize (imports torch)."""
-    return importlib.import_module(f"tessera.models.{name}.spec")
+    """The family called `name` (torch-free; `.spec()` imports its torch side)."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family '{name}'; one of {', '.join(FAMILIES)}")
+    return importlib.import_module(f"tessera.models.{name}").FAMILY
 
 
-def num_params(model, exclude_embedding: bool = False) -> int:
-    """Parameters; without the input embedding (a lookup, no FLOPs) unless it doubles as the output."""
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and getattr(model, "output", None) is not None:
-        n -= model.tok_embeddings.weight.numel()
-    return n
+def family_of(args):
+    """The family whose flavors are of `args`'s type."""
+    for name in FAMILIES:
+        fam = family(name)
+        if isinstance(args, type(next(iter(fam.flavors.values())))):
+            return fam
+    raise KeyError(f"no model family has args of type {type(args).__name__}")
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def arch_differences(saved, asked, labels: tuple[str, str] = ("checkpoint", "asked")) -> list[str]:
@@ -37,34 +40,24 @@ def arch_differences(saved, asked, labels: tuple[str, str] = ("checkpoint", "ask
 
 def args_to_json(name: str, args) -> dict:
     """What a checkpoint records of its model: `model.json` = {"family": name, "args": {...}}."""
-    import dataclasses
-
     return {"family": name, "args": dataclasses.asdict(args)}
 
 
 def args_from_json(record: dict) -> tuple[str, object]:
     """(family, args) from a `model.json` record; unknown fields raise TypeError, a missing family KeyError."""
     name = record["family"]
-    cls = type(next(iter(flavors(name).values())))
+    cls = type(next(iter(family(name).flavors.values())))
     return name, cls(**record["args"])
-
-
-def hf_adapter(name: str):
-    """The family's Hugging Face adapter module (torch-free for config.json; its tensor maps need no torch)."""
-    return importlib.import_module(f"tessera.models.{name}.hf")
 
 
 def hf_args(name: str, path: str):
     """The architecture the config.json of the Hugging Face folder at `path` (or beside the file `path`)
     describes; ValueError naming the file when it is missing, unreadable, or not one the family computes."""
-    import json
-    import os
-
     folder = os.path.dirname(path) if os.path.isfile(path) else path
     config = os.path.join(folder, "config.json")
     try:
         with open(config) as fh:
-            return hf_adapter(name).args_from_hf_config(json.load(fh))
+            return family(name).hf.args_from_hf_config(json.load(fh))
     except FileNotFoundError:
         raise ValueError(f"no config.json in '{folder}': the weights' architecture is unknown; a Hugging Face "
                          f"folder holds one beside its safetensors") from None

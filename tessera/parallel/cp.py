@@ -84,8 +84,3 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) 
         getattr(block, attention).sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(),
                                                                   cp_mesh.size())
 
-
-def shard_rope(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Reorder the RoPE table so that local row i holds the global position of local token i."""
-    positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), device=model.rope.device)
-    model.rope = model.rope[positions]

@@ -54,15 +54,16 @@ def _log_converted(what: str, names: list[str]) -> None:
     log.debug(f"{what}: converted {', '.join(names)}")
 
 
-def apply_float8(model: nn.Module, cfg, device: torch.device) -> list[str]:
-    """Swap nn.Linear for torchao's Float8Linear (dynamic scaling, per the recipe); returns converted names."""
+def apply_float8(model: nn.Module, cfg, device: torch.device, high_precision: tuple[str, ...] = ()) -> list[str]:
+    """Swap nn.Linear for torchao's Float8Linear (dynamic scaling, per the recipe), except those named by
+    `high_precision` (the family's) or cfg.filter_fqns; returns converted names."""
     from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     check_hardware(FLOAT8, cfg.emulate, device)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe_name),
                                  enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate)
-    fqns = [f for f in cfg.filter_fqns if f != AUTO_FILTER]
+    fqns = [*high_precision, *(f for f in cfg.filter_fqns if f != AUTO_FILTER)]
     # torchao's rule: skip dims not divisible by 16 and GEMMs whose (K, N) are too small to gain on H100.
     auto = _auto_filter_for_recipe(cfg.recipe_name, filter_fqns=fqns) if AUTO_FILTER in cfg.filter_fqns else None
     convert_to_float8_training(model, config=config, module_filter_fn=_linear_filter(fqns, auto))
@@ -71,8 +72,9 @@ def apply_float8(model: nn.Module, cfg, device: torch.device) -> list[str]:
     return names
 
 
-def apply_mx(model: nn.Module, cfg, device: torch.device) -> list[str]:
-    """MXFP8 (32-element blocks, e8m0 scales): wrap each converted linear's weight in torchao's MXFP8 tensor."""
+def apply_mx(model: nn.Module, cfg, device: torch.device, high_precision: tuple[str, ...] = ()) -> list[str]:
+    """MXFP8 (32-element blocks, e8m0 scales): wrap each converted linear's weight in torchao's MXFP8 tensor
+    (not those named by `high_precision` or cfg.filter_fqns)."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
     from torchao.quantization import quantize_
@@ -82,7 +84,7 @@ def apply_mx(model: nn.Module, cfg, device: torch.device) -> list[str]:
     config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(MX_RECIPES[cfg.recipe_name]))
     if cfg.emulate:  # the same quantization, with plain matmuls on dequantized blocks
         config = dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED)
-    fqns = [f for f in cfg.filter_fqns if f != AUTO_FILTER]
+    fqns = [*high_precision, *(f for f in cfg.filter_fqns if f != AUTO_FILTER)]
     # MX scales blocks of 32 along K, and the kernels need N and K multiples of 32 too.
     auto = (lambda m, _: m.in_features % 32 == 0 and m.out_features % 32 == 0)
     quantize_(model, config, filter_fn=_linear_filter(fqns, auto))
@@ -92,12 +94,13 @@ def apply_mx(model: nn.Module, cfg, device: torch.device) -> list[str]:
     return names
 
 
-def apply_converters(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
+def apply_converters(model: nn.Module, cfg: JobConfig, device: torch.device,
+                     high_precision: tuple[str, ...] = ()) -> None:
     for name in cfg.model.converters:
         if name == FLOAT8:
-            apply_float8(model, cfg.quantize.linear.float8, device)
+            apply_float8(model, cfg.quantize.linear.float8, device, high_precision)
         elif name == MX:
-            apply_mx(model, cfg.quantize.linear.mx, device)
+            apply_mx(model, cfg.quantize.linear.mx, device, high_precision)
         else:
             raise ConfigError(f"model.converters: unknown converter '{name}'; choose from {FLOAT8}, {MX}")
 

@@ -23,6 +23,17 @@ class Llama3Args:
     head_dim_override: int = 0  # 0: dim // n_heads; Hugging Face configs may set head_dim apart
     ffn_hidden_override: int = 0  # 0: from ffn_dim_multiplier and multiple_of; HF configs give intermediate_size
 
+    qk_norm = False  # not a field: Llama has no query/key norm
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """Llama 3.1's frequency scaling, as tessera.models.common.rope takes it."""
+        if not self.rope_scaling_factor:
+            return None
+        return {"rope_type": "llama3", "factor": self.rope_scaling_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_pos}
+
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads

@@ -1,40 +1,12 @@
-"""Llama 3's parallelism plan: which pieces each feature applies to, in which order (converters, TP, CP,
-AC, compile, FSDP)."""
+"""Llama 3's parallelism plan: the shared decoder's."""
 
 from torch import nn
 
 from tessera.config import JobConfig
 from tessera.distributed import World
-from tessera.parallel.ac import apply_ac
-from tessera.parallel.compile import apply_compile
-from tessera.parallel.cp import apply_cp
-from tessera.parallel.fsdp import apply_fsdp, mixed_precision
-from tessera.parallel.quantize import apply_converters
-from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
-
-BLOCK_TP_PLAN = block_plan(attention="attention", attn_in=("wq", "wk", "wv"), attn_out="wo",
-                           ffn="feed_forward", ffn_in=("w1", "w3"), ffn_out="w2",
-                           norms=("attention_norm", "ffn_norm"))
+from tessera.models.common.plan import DECODER_BLOCK_TP_PLAN, parallelize_decoder
+from tessera.models.llama3 import FAMILY
 
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
-    p = cfg.parallelism
-    apply_converters(model, cfg, world.device)
-    if world.dims.tp > 1:
-        tp_mesh = world.mesh["tp"]
-        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
-                 model.layers, BLOCK_TP_PLAN)
-        if p.enable_async_tensor_parallel:
-            enable_async_tp(tp_mesh)
-    if world.dims.cp > 1:
-        apply_cp(model.layers, "attention", world.mesh["cp"])
-    apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
-    if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model.layers)
-    dp_mesh = world.dp_mesh()
-    if dp_mesh is not None:
-        param_dtype, reduce_dtype = mixed_precision(cfg.training, world.device)
-        apply_fsdp(model, dp_mesh, list(model.layers.values()), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=p.fsdp_reshard_after_forward,
-                   cpu_offload=cfg.training.enable_cpu_offload)
-    return model
+    return parallelize_decoder(model, world, cfg, DECODER_BLOCK_TP_PLAN, FAMILY.high_precision)

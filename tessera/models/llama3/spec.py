@@ -1,10 +1,8 @@
-"""What the trainer needs from the family."""
+"""Llama 3's torch side: the shared decoder, and its parallelism plan."""
 
-from tessera.models.llama3.args import FLAVORS, TAKES_TOKENIZER_VOCAB, Llama3Args
-from tessera.models.llama3.model import Transformer
+from tessera.models.common.decoder import Decoder
+from tessera.models.contract import ModelSpec
 from tessera.models.llama3.parallelize import parallelize
 
-# Modules that only the first / the last pipeline stage holds.
-FIRST_STAGE_MODULES, LAST_STAGE_MODULES = ("tok_embeddings",), ("norm", "output")
-
-__all__ = ["FIRST_STAGE_MODULES", "LAST_STAGE_MODULES", "FLAVORS", "TAKES_TOKENIZER_VOCAB", "Llama3Args", "Transformer", "parallelize"]
+SPEC = ModelSpec(model=Decoder, parallelize=parallelize, first_stage=("tok_embeddings",),
+                 last_stage=("norm", "output"))

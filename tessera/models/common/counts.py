@@ -1,0 +1,33 @@
+"""Parameter and FLOP counts of the shared decoder (tessera.models.common.decoder), from its args alone."""
+
+from tessera.models.contract import Counts
+
+
+def decoder_counts(args, seq_len: int) -> Counts:
+    """Training FLOPs per token: 6 per weight a token meets (forward 2, backward 4), plus attention scores and
+    values, 12 L H D_head S (causal masking not discounted, as in the PaLM paper)."""
+    d, hd = args.dim, args.head_dim
+    attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
+    block = attention + 3 * d * args.ffn_hidden + 2 * d
+    table = args.vocab_size * d
+    params = table + args.n_layers * block + d + (0 if args.tie_embeddings else table)
+    embedding = 0 if args.tie_embeddings else table
+    flops = 6 * (params - embedding) + 12 * args.n_layers * args.n_heads * hd * seq_len
+    return Counts(params=params, active=params, embedding=embedding, flops_per_token=flops)
+
+
+def check_decoder_layout(args, tp: int, pp: int, label: str) -> None:
+    """What tensor and pipeline parallelism need of the shared decoder. A vocabulary of 0 is not known yet
+    (the tokenizer's), and is checked once it is."""
+    if tp > 1:
+        for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
+                           ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
+            if size and size % tp:
+                raise ValueError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) "
+                                 f"of {label}; pick a divisor")
+        if args.tie_embeddings:
+            raise ValueError(f"parallelism.tensor_parallel_degree: {label} ties its embeddings, which tensor "
+                             f"parallelism does not support yet; use FSDP (data_parallel_shard_degree) instead")
+    if pp > 1 and args.tie_embeddings:
+        raise ValueError(f"parallelism.pipeline_parallel_degree: {label} ties its embeddings across the first and "
+                         f"last stage, which pipelining does not support; use FSDP/TP instead")

@@ -1,0 +1,86 @@
+"""The decoder-only transformer the dense families share: embedding, pre-norm blocks of attention and SwiGLU,
+a final norm and the output head (or the embedding matrix, tied).
+
+Its args are any dataclass with: dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size,
+norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.common.attention import Attention, FeedForward, KVCache
+from tessera.models.common.rope import inv_freq, rope_table
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm,
+                                   args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans see 2 inputs
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by layer id keeps parameter names stable when a pipeline stage drops layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Tied: the embedding matrix is used directly, since module-level sharing does not survive to_empty().
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", torch.empty(args.max_seq_len, 2, args.head_dim, device="meta"), persistent=False)
+
+    def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
+        """The RoPE table; `positions`: the global position of each local token (context parallel), else 0..n-1."""
+        positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
+        self.rope = rope_table(positions.to(device), inv_freq(self.args.head_dim, self.args.rope_theta,
+                                                              self.args.rope_scaling))
+
+    def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding.
+
+        A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for i, layer in enumerate(self.layers.values()):
+            # The whole table: attention slices it once it sees the whole sequence (under sequence
+            # parallelism the residual stream between blocks holds only a slice of it).
+            h = layer(h, self.rope, cache=cache[i] if cache is not None else None)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:
+        a = self.args
+        return [KVCache(batch, max_len, a.n_kv_heads, a.head_dim, dtype, device) for _ in range(a.n_layers)]
+
+    def param_init(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter `name` in place.
+
+        Embeddings N(0, 1); q/k/v/w1 truncated N(0, 0.02); the projections that write into the residual
+        stream (wo, w2, w3) shrink with depth, 0.02 / sqrt(2 (layer + 1)), so early updates stay small;
+        output N(0, dim^-1/2) truncated at 3 sigma; norms 1.
+        """
+        if name.endswith("norm.weight"):
+            full.fill_(1.0)
+        elif name == "tok_embeddings.weight":
+            full.normal_(0.0, 1.0, generator=gen)
+        elif name == "output.weight":
+            std = self.args.dim ** -0.5
+            nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
+        else:
+            depth_scaled = name.endswith(("wo.weight", "w2.weight", "w3.weight"))
+            std = 0.02 / math.sqrt(2 * (int(name.split(".")[1]) + 1)) if depth_scaled else 0.02
+            nn.init.trunc_normal_(full, 0.0, std, -2 * std, 2 * std, generator=gen)

@@ -1,0 +1,89 @@
+"""What the decoder families' Hugging Face adapters share: name tables both ways, and reading config.json
+values strictly (a value Tessera would not compute the same way is refused, never guessed at)."""
+
+import re
+
+# Our block's module names -> transformers' (Llama, Qwen 3, and the many decoders that copied them).
+DECODER_LAYER = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+DECODER_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+
+
+class Renamer:
+    """Parameter names between ours and a checkpoint's, from a block table and a top-level table."""
+
+    def __init__(self, family: str, layer: dict[str, str], top: dict[str, str]):
+        self.family = family
+        self.to = {**{rf"layers\.(\d+)\.{re.escape(k)}\.weight": rf"model.layers.\1.{v}.weight" for k, v in layer.items()},
+                   **{re.escape(k): v for k, v in top.items()}}
+        self.back = {**{rf"model\.layers\.(\d+)\.{re.escape(v)}\.weight": rf"layers.\1.{k}.weight"
+                        for k, v in layer.items()}, **{re.escape(v): k for k, v in top.items()}}
+
+    def _rename(self, name: str, table: dict) -> str:
+        for pattern, repl in table.items():
+            if re.fullmatch(pattern, name):
+                return re.sub(pattern, repl, name)
+        raise KeyError(f"no {self.family} mapping for parameter '{name}'")
+
+    def to_hf(self, state: dict) -> dict:
+        return {self._rename(k, self.to): v for k, v in state.items()}
+
+    def from_hf(self, state: dict) -> dict:
+        """Checkpoint names -> ours. A tied model has no output.weight: an `lm_head.weight` beside tied
+        embeddings maps to a tensor the model lacks, which the loader refuses rather than drop."""
+        return {self._rename(k, self.back): v for k, v in state.items()}
+
+
+def positive_int(config: dict, key: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} = {value!r}; a positive integer is required")
+    return value
+
+
+def rope_parameters(config: dict) -> dict:
+    """transformers 5 keeps rope_theta in rope_parameters; 4.x beside rope_scaling (null when unscaled)."""
+    rope = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0),
+            **(config.get("rope_parameters") or config.get("rope_scaling") or {})}
+    rope["rope_type"] = rope.get("type", rope["rope_type"])
+    return rope
+
+
+def refuse_unsupported(config: dict, family: str, model_type: str, expected: dict, rope_types: tuple[str, ...]):
+    """`expected`: key -> the only value (its default when absent) Tessera's `family` computes."""
+    if config.get("model_type", model_type) != model_type:
+        raise ValueError(f"model_type = {config['model_type']!r}, not {model_type!r}; set model.name to its family")
+    other = [f"{k} = {config[k]!r}" for k, want in expected.items() if config.get(k, want) != want]
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in rope_types:
+        other.append(f"rope_type = {rope_type!r}")
+    if other:
+        wanted = ", ".join(f"{k} = {v!r}" for k, v in expected.items())
+        raise ValueError(f"{', '.join(other)}: Tessera's {family} computes {wanted} and RoPE "
+                         f"{' or '.join(rope_types)} only")
+
+
+def heads(config: dict) -> tuple[int, int, int, int]:
+    """(hidden size, heads, key/value heads, head_dim), checked."""
+    dim, n_heads = positive_int(config, "hidden_size"), positive_int(config, "num_attention_heads")
+    kv_heads = positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") else n_heads
+    head_dim = positive_int(config, "head_dim") if config.get("head_dim") else dim // n_heads
+    if n_heads % kv_heads or head_dim % 2:
+        raise ValueError(f"num_attention_heads = {n_heads}, num_key_value_heads = {kv_heads}, head_dim = {head_dim}: "
+                         f"the heads must be a multiple of the key/value heads, and head_dim even")
+    return dim, n_heads, kv_heads, head_dim
+
+
+def decoder_config(args, architecture: str, model_type: str, rope: dict, max_pos: int, bos_id, eos_id) -> dict:
+    """The config.json fields the decoder families share."""
+    return {"architectures": [architecture], "model_type": model_type, "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+            "rope_parameters": rope, "max_position_embeddings": max_pos, "tie_word_embeddings": args.tie_embeddings,
+            "bos_token_id": bos_id, "eos_token_id": eos_id, "hidden_act": "silu", "attention_bias": False,
+            "torch_dtype": "float32"}

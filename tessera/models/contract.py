@@ -1,0 +1,63 @@
+"""The contract a model family fulfils: all that Tessera outside `tessera/models/<family>/` knows of it.
+
+`Family` is torch-free, so configs are checked before any rank starts; its `spec()` imports the torch side,
+a `ModelSpec`. A family lives in one folder whose `__init__.py` defines `FAMILY`; `tessera.models.family()`
+finds it by name.
+"""
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class HFAdapter(Protocol):
+    """Hugging Face in and out: whole state dicts (so an adapter may rename, stack, split or permute) and
+    config.json both ways."""
+
+    def to_hf(self, state: dict) -> dict: ...
+
+    def from_hf(self, state: dict) -> dict: ...
+
+    def hf_config(self, args, bos_id: int | None = None, eos_id: int | None = None) -> dict: ...
+
+    def args_from_hf_config(self, config: dict): ...
+
+
+@dataclass(frozen=True)
+class Counts:
+    params: int  # every parameter
+    active: int  # those one token uses (below params for mixture-of-experts layers)
+    embedding: int  # the input embedding: a lookup, no FLOPs (0 when it doubles as the output head)
+    flops_per_token: float  # training (forward + backward) FLOPs per token at the given sequence length
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
+    `init_buffers(device, positions=None)` (positions: each local token's global one, under context parallel)
+    and `param_init(name, full_tensor, generator)`."""
+
+    model: type
+    parallelize: Callable  # (model, world, cfg) -> model: the family's plan over tessera.parallel
+    first_stage: tuple[str, ...]  # modules only the first pipeline stage holds
+    last_stage: tuple[str, ...]  # ... only the last
+    blocks: str = "layers"  # the ModuleDict of blocks, keyed by int, that pipelining splits
+    extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    flavors: Mapping[str, Any]  # flavor -> args: a dataclass with n_layers, vocab_size, max_seq_len and arch()
+    takes_tokenizer_vocab: frozenset[str]  # flavors whose vocabulary is the tokenizer's
+    hf: HFAdapter
+    counts: Callable[[Any, int], Counts]  # (args, seq_len)
+    check_layout: Callable[[Any, int, int, str], None]  # (args, tp, pp, label): ValueError "key: why" if refused
+    embedding: str  # the input embedding's parameter (its rows are the vocabulary)
+    high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
+    torch_side: str  # "module:attribute" of its ModelSpec
+
+    def spec(self) -> ModelSpec:
+        module, _, attr = self.torch_side.partition(":")
+        return getattr(importlib.import_module(module), attr)

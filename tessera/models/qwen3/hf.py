@@ -1,0 +1,30 @@
+"""Hugging Face <-> Tessera for Qwen 3 dense (`Qwen3ForCausalLM`): Llama's names plus the q/k norms."""
+
+from tessera.models.common.hf import (DECODER_LAYER, DECODER_TOP, Renamer, decoder_config, heads, positive_int,
+                                      refuse_unsupported, rope_parameters)
+from tessera.models.qwen3.args import Qwen3Args
+
+_NAMES = Renamer("Qwen 3", {**DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",
+                            "attention.k_norm": "self_attn.k_norm"}, DECODER_TOP)
+to_hf, from_hf = _NAMES.to_hf, _NAMES.from_hf
+
+
+def args_from_hf_config(config: dict) -> Qwen3Args:
+    """The architecture a transformers `Qwen3ForCausalLM` config.json describes; sliding-window attention,
+    biases, another activation or a scaled RoPE are refused."""
+    refuse_unsupported(config, "qwen3", "qwen3", {"hidden_act": "silu", "attention_bias": False,
+                                                  "use_sliding_window": False}, ("default",))
+    dim, n_heads, kv_heads, head_dim = heads({"head_dim": 128, **config})
+    return Qwen3Args(dim=dim, n_layers=positive_int(config, "num_hidden_layers"), n_heads=n_heads,
+                     n_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=positive_int(config, "intermediate_size"),
+                     vocab_size=positive_int(config, "vocab_size"), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                     rope_theta=float(rope_parameters({"rope_theta": 10000.0, **config})["rope_theta"]),
+                     max_seq_len=int(config.get("max_position_embeddings", 32768)),
+                     tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def hf_config(args: Qwen3Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers' Qwen3ForCausalLM."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {**decoder_config(args, "Qwen3ForCausalLM", "qwen3", rope, args.max_seq_len, bos_id, eos_id),
+            "use_sliding_window": False}
