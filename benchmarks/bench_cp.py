@@ -84,7 +84,8 @@ def main() -> None:
     results = [run(int(d), a) for d in a.degrees.split(",")]
     base = results[0]
     print(f"{a.flavor}, seq_len {a.seq_len}, 1 sequence per step, 1 thread per rank")
-    print(f"{'CP':>3} {'step s':>8} {'speed-up':>9} {'step memory GiB/rank':>21} {'vs CP 1':>8} {'process peak GiB':>17}")
+    print(f"{'CP':>3} {'step s':>8} {'speed-up':>9} {'step memory GiB/rank':>21} {'vs CP 1':>8} "
+          f"{'process peak GiB':>17}")
     for r in results:
         r["speedup"], r["memory_ratio"] = base["step_s"] / r["step_s"], r["live_gib"] / base["live_gib"]
         print(f"{r['cp']:>3} {r['step_s']:>8.2f} {r['speedup']:>8.2f}x {r['live_gib']:>21.3f} "

@@ -38,7 +38,7 @@ def train_tokenizer(folder: Path, vocab: int, n_docs: int) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     docs = documents("stdlib", "", "text", "train", 0, 0)
-    tok.train_from_iterator((text for _, text in zip(range(n_docs), docs)), trainer)
+    tok.train_from_iterator((text for _, text in zip(range(n_docs), docs, strict=False)), trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
 

@@ -71,8 +71,8 @@ def launch(a, nproc: int, tokens_per_step: int) -> float:
             recs = [r for r in map(json.loads, fh) if "tps" in r]
     # Skip the first logged window (warm-up, FSDP lazy init); weight the rest by their step counts.
     # Each record's tps is rank 0's tokens over its window; ranks step in lockstep, so the aggregate is nproc x it.
-    window = [b["step"] - p["step"] for p, b in zip(recs, recs[1:])]
-    seconds = sum(w * tokens_per_step / r["tps"] for w, r in zip(window, recs[1:]))
+    window = [b["step"] - p["step"] for p, b in zip(recs, recs[1:], strict=False)]
+    seconds = sum(w * tokens_per_step / r["tps"] for w, r in zip(window, recs[1:], strict=True))
     return nproc * sum(window) * tokens_per_step / seconds
 
 
@@ -133,7 +133,8 @@ def main() -> None:
         res[key] = paired_ratio(out, num, den)
 
     print(f"\n{device.type}, {res['threads']} threads; llama3 {a.flavor} ({res['params'] / 1e6:.2f}M params), "
-          f"seq {a.seq_len} x batch {a.local_batch_size}, {a.steps} steps after {a.warmup}, {a.rounds} rounds, steps interleaved")
+          f"seq {a.seq_len} x batch {a.local_batch_size}, {a.steps} steps after {a.warmup}, {a.rounds} rounds, "
+          f"steps interleaved")
     print(f"  GEMM peak ({res['gemm_dtype']}, n={gemm_n})  {res['gemm_peak_gflops']:10.1f} GFLOP/s")
     print(f"  {'':<20} {'tokens/s':>10} {'MFU':>7}  {'loss r1':>8} {'gap vs plain':>12} {'1st step s':>10}")
     for name in out:

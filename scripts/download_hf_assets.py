@@ -26,8 +26,12 @@ def patterns(assets: list[str]) -> list[str]:
 
 
 def _why(e: Exception, repo_id: str) -> str:
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
 
     if isinstance(e, GatedRepoError):
         return f"'{repo_id}' is gated: accept its license on huggingface.co and pass --hf_token or set HF_TOKEN"

@@ -26,8 +26,7 @@ from tessera import architecture, models
 from tessera.checkpoint.hf import HFError, hf_folder, load_hf, save_hf
 from tessera.checkpoint.manager import write_marker, write_run_record
 from tessera.config import ConfigError, parse_args
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tessera.dtypes import DTYPES
 
 
 def _config(src: Path | None, opts: argparse.Namespace):

@@ -62,7 +62,7 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
                                 device_id=device if device.type == "cuda" else None)
     axes = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
             ("cp", dims.cp), ("tp", dims.tp)]
-    names, sizes = zip(*axes)
+    names, sizes = zip(*axes, strict=True)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),

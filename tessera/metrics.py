@@ -89,7 +89,8 @@ class MetricsLogger:
     def __init__(self, dump_folder: str, total_steps: int, *, active: bool, tensorboard_dir: str | None = None,
                  wandb: bool = False, config: dict | None = None):
         self.total_steps, self.active = total_steps, active
-        self.dump_folder, self.tensorboard_dir, self.use_wandb, self.config = dump_folder, tensorboard_dir, wandb, config
+        self.dump_folder, self.tensorboard_dir = dump_folder, tensorboard_dir
+        self.use_wandb, self.config = wandb, config
         self.start = time.perf_counter()
         self.jsonl = self.tb = self.wandb = None
 

@@ -173,8 +173,9 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
-                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum, counts.flops_per_token, peak,
-                 autocast, uses_loss_parallel(cfg, world), loss, post_optimizer_hook(model, cfg), bad)
+                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum,
+                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
+                 post_optimizer_hook(model, cfg), bad)
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

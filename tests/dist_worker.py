@@ -15,13 +15,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tests.launch import merge
 from tessera.config import parse_args
 from tessera.config.validate import validate
 from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.tp import local
 from tessera.train import dp_mean, train, train_step
 from tessera.trainer import build_trainer
+from tests.launch import merge
 
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "2",
         "--optimizer.lr", "3e-3", "--training.deterministic", "--metrics.log_freq", "1",

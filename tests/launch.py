@@ -87,7 +87,8 @@ def assert_matches(got: dict, ref: dict, tol: float, what: tuple[str, ...] = ("g
     for key in what:
         assert got[key].keys() == ref[key].keys()
         for name, g in got[key].items():
-            torch.testing.assert_close(g, ref[key][name], rtol=tol, atol=tol, msg=lambda m: f"{key} {name}: {m}")
+            torch.testing.assert_close(g, ref[key][name], rtol=tol, atol=tol,
+                                       msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
 
 
 def resume_copy(src, dst, keep_through: int):

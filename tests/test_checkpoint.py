@@ -24,7 +24,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_
 def _params_equal(a: dict, b: dict, tol: float = 0.0):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _export(path) -> dict:
@@ -110,7 +110,7 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def test_sigkill_at_random_step_and_during_save_then_relaunch(tmp_path):
+def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
     ref = _torchrun_train(tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
     kill_at = 5  # after the step-3 save, before the step-9 save the second crash interrupts
@@ -162,8 +162,8 @@ def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
 def test_seed_checkpoint_loaded_by_two_ranks(tmp_path):
     from tessera.train import main
     seed_dir = tmp_path / "seed"
-    assert main([*BASE, "--job.dump_folder", str(seed_dir), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                 "--training.seed", "7"]) == 0
+    assert main([*BASE, "--job.dump_folder", str(seed_dir), "--checkpoint.enable",
+                 "--checkpoint.create_seed_checkpoint", "--training.seed", "7"]) == 0
     assert (seed_dir / "checkpoint/step-0/.complete").exists()
     shutil.copytree(seed_dir, tmp_path / "one")
     one = run_train(["--job.dump_folder", str(tmp_path / "one"), "--checkpoint.enable"], 3)

@@ -303,11 +303,13 @@ def test_run_train_sh_refuses_bad_flag_before_torchrun(tmp_path):
     env.update(NGPU="2", OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", str(ROOT / "run_train.sh"), "--training.stepz", "3"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
-    # scripts/env.sh may announce a first-time venv setup; nothing else may be printed.
-    lines = [x for x in proc.stderr.splitlines() if not x.startswith(("tessera: setting up", "tessera: reusing"))]
+    # A first-time venv setup may print (pip's warnings among it): the message is asserted, not the stream.
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("tessera:")
+             and not x.startswith(("tessera: setting up", "tessera: reusing"))]
     # torchrun would exit 1 and print the message once more from rank 0 (and log its own start-up).
     assert proc.returncode == 2, proc.stderr
     assert lines == ["tessera: unknown option 'training.stepz' (on the command line); did you mean 'training.steps'?"]
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
     assert proc.stdout == ""
     assert not (tmp_path / "outputs").exists()
 
@@ -377,11 +379,6 @@ def test_to_toml_round_trips(tmp_path, changes):
 
 
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
-
-
-def test_shipped_configs_exist():
-    assert {"llama3_debug.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml", "qwen3_debug.toml",
-            "qwen3_0.6b.toml", "qwen3_8b.toml", "qwen3_32b.toml"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -53,7 +53,7 @@ def dp_batches(docs, seq_len: int, local: int, dp: int, n: int, state=None, stre
 
 def assert_same(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from tessera.models import num_params
 from tessera.models.llama3.args import FLAVORS
 from tessera.models.llama3.hf import from_hf, hf_config, to_hf
-from tessera.models import num_params
 from tessera.models.llama3.model import Transformer
 from tessera.parallel.init import materialize
 

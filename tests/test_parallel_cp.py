@@ -36,8 +36,8 @@ def test_cp2_and_cp2_with_tp2_and_fsdp2(tmp_path, reference):
 
 
 def test_cp4(tmp_path, reference):
-    (got,) = run_cases(4, tmp_path, [["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]],
-                       STEPS)
+    cp4 = ["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]
+    (got,) = run_cases(4, tmp_path, [cp4], STEPS)
     assert_matches(got, reference, TOL, what=("grads", "params"))
 
 

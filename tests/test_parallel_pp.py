@@ -3,12 +3,13 @@ each equal to a single-process run (fp32, same seed and data)."""
 
 import pytest
 
+from tessera.config.sections import PP_SCHEDULES
 from tests.dist_worker import run_grads, run_train
 from tests.launch import assert_matches, resume_copy, run_cases
 
 TOL = 1e-5
 STEPS = 5
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULES = PP_SCHEDULES
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 

@@ -17,13 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.config import ConfigError, parse_args
-from tessera.config import validate as validate_module
+from tessera.config import ConfigError, parse_args, validate as validate_module
 from tessera.config.validate import validate
+from tessera.metrics import PeakLiveBytes
 from tessera.models.llama3.args import FLAVORS, Llama3Args
 from tessera.models.llama3.model import Transformer
 from tessera.parallel.ac import apply_ac, op_policy
-from tessera.metrics import PeakLiveBytes
 from tessera.parallel.init import bare_name, materialize
 from tests.dist_worker import _trainer, full_params, run_grads, split_cases, step_and_record
 from tests.launch import ROOT, assert_matches, resume_copy, run_cases
@@ -103,8 +102,9 @@ def test_op_policy_saves_attention_and_every_other_matmul():
     policy, fwd, rec = op_policy(), SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
     assert [policy(fwd, aten.mm.default) for _ in range(4)] == [save, recompute, save, recompute]
     assert [policy(rec, aten.mm.default) for _ in range(3)] == [save, recompute, save]  # its own count
-    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
-               aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+               aten._scaled_dot_product_cudnn_attention.default,
                torch.ops._c10d_functional.reduce_scatter_tensor.default):
         assert policy(fwd, op) == save, op
     for op in (aten.add.Tensor, aten.silu.default, aten.mul.Tensor, aten.bmm.default):

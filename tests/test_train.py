@@ -3,7 +3,6 @@
 import json
 import tomllib
 
-
 from tests.launch import run_local
 
 
@@ -40,8 +39,8 @@ def test_non_finite_loss_stops_with_step(tmp_path, capsys):
 def test_clipping_scales_gradients_to_max_norm(tmp_path):
     import torch
 
-    from tests.dist_worker import _trainer
     from tessera.train import train_step
+    from tests.dist_worker import _trainer
 
     tr = _trainer(["--training.max_norm", "0.1", "--lr_scheduler.warmup_steps", "1"], 1, str(tmp_path))
     _, norm, _ = train_step(tr)

@@ -22,21 +22,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from tessera.checkpoint.folder import (EXPORTS, MARKER, MODEL_RECORD, CorruptCheckpoint, read_marker, resume_point,
-                                       step_folders, verify, write_marker)
+from tessera.checkpoint.folder import (
+    EXPORTS,
+    MARKER,
+    MODEL_RECORD,
+    CorruptCheckpoint,
+    read_marker,
+    resume_point,
+    step_folders,
+    verify,
+    write_marker,
+)
 from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.distributed import on_rank0
+from tessera.dtypes import DTYPES
 from tessera.models import args_to_json
 from tessera.optim import resume_lr
 
 log = logging.getLogger("tessera")
 # DCP in one process (no process group) says so on every save and load; that is the intended use here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 __all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "read_marker", "step_folders", "verify", "write_marker"]
 
 
@@ -154,7 +167,7 @@ class Checkpointer:
     def export(self, tr) -> str:
         """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
         path = os.path.join(self.root, EXPORTS, f"step-{tr.step}")
-        dtype = _DTYPES[self.c.export_dtype]
+        dtype = DTYPES[self.c.export_dtype]
         if self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
             save_hf(get_model_state_dict(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,

@@ -5,7 +5,10 @@ from typing import Any
 
 from tessera.models import FAMILIES
 
-
+# Converter names (model.converters) and their recipes; tessera/parallel/quantize.py maps them onto torchao.
+FLOAT8_CONVERTER, MX_CONVERTER = "quantize.linear.float8", "quantize.linear.mx"
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+MX_RECIPES = ("mxfp8_cublas", "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                 "DualPipeV")
 LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
@@ -34,7 +37,8 @@ class Model:
     flavor: str = opt("", "size preset: a row of the table in tessera/models/<name>/args.py; empty = the "
                       "architecture of the checkpoint resumed or the Hugging Face config.json imported, else "
                       "debugmodel")
-    hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte tokenizer")
+    hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte "
+                              "tokenizer")
     converters: list[str] = opt([], "module converters applied before parallelism, e.g. quantize.linear.float8")
 
 
@@ -66,7 +70,8 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence", min=2)
     max_norm: float = opt(1.0, "clip gradients to this global L2 norm; 0 = no clipping", min=0.0)
     steps: int = opt(10000, "optimizer steps to train", min=1)
-    dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id ORG/NAME")
+    dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id "
+                       "ORG/NAME")
     dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; or a local copy of a hub dataset")
     dataset_text_field: str = opt("text", "field holding the document text in jsonl/parquet/hub rows")
     data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
@@ -77,7 +82,8 @@ class Training:
                                "stops the run; -1 = no limit", min=-1)
     seed: int = opt(0, "seed for initialization and data order", min=0, max=2**32 - 1)
     deterministic: bool = opt(False, "use deterministic kernels (bit-exact reruns, slower)")
-    mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 on CPU",
+    mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 "
+                                     "on CPU",
                                      choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = opt(False, "keep sharded params, grads and optimizer state in CPU memory (FSDP2)")
@@ -93,7 +99,8 @@ class Validation:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = all ranks left after the other degrees")
-    data_parallel_replicate_degree: int = opt(1, "replicas (HSDP when > 1 with sharding, DDP-like when shard = 1)", min=1)
+    data_parallel_replicate_degree: int = opt(1, "replicas (HSDP when > 1 with sharding, DDP-like when shard = 1)",
+                                              min=1)
     tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
     pipeline_parallel_schedule: str = opt("1F1B", "pipeline schedule from torch.distributed.pipelining",
@@ -110,7 +117,8 @@ class Parallelism:
     context_parallel_rotate_method: str = opt("allgather", "how attention sees other ranks' keys and values",
                                               choices=("allgather",))
     expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models)", min=1)
-    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the root",
+    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the "
+                                          "root",
                                           choices=("default", "always", "never"))
     disable_loss_parallel: bool = opt(False, "gather vocab-sharded logits before the loss under TP")
     enable_async_tensor_parallel: bool = opt(False, "overlap TP collectives with compute (CUDA + compile)")
@@ -130,7 +138,8 @@ class Checkpoint:
     folder: str = opt("checkpoint", "checkpoint folder inside dump_folder")
     interval: int = opt(500, "save every N steps", min=1)
     keep_latest_k: int = opt(10, "keep this many complete checkpoints; 0 = keep all", min=0)
-    async_mode: str = opt("disabled", "overlap saves with training", choices=("disabled", "async", "async_with_pinned_mem"))
+    async_mode: str = opt("disabled", "overlap saves with training",
+                          choices=("disabled", "async", "async_with_pinned_mem"))
     load_step: int = opt(-1, "resume from this step instead of the latest")
     initial_load_path: str = opt("", "checkpoint to start from when the folder is empty")
     initial_load_model_only: bool = opt(True, "take only model weights from initial_load_path")
@@ -139,14 +148,16 @@ class Checkpoint:
     last_save_in_hf: bool = opt(False, "final save in Hugging Face safetensors")
     export_dtype: str = opt("float32", "dtype of model-only saves", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit (one process)")
-    exclude_from_loading: list[str] = opt([], "parts not to load: optimizer, train_state, lr_scheduler, dataloader, rng")
+    exclude_from_loading: list[str] = opt([], "parts not to load: optimizer, train_state, lr_scheduler, dataloader, "
+                                              "rng")
     enable_first_step_checkpoint: bool = opt(False, "also save after step 1")
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
-    selective_ac_option: str = opt("2", "'op' = save selected matmul outputs; an integer N = checkpoint every N-th block")
+    selective_ac_option: str = opt("2", "'op' = save selected matmul outputs; an integer N = checkpoint every N-th "
+                                        "block")
 
 
 @dataclass
@@ -157,7 +168,7 @@ class Compile:
 
 @dataclass
 class Float8:
-    recipe_name: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    recipe_name: str = opt("tensorwise", "scaling recipe", choices=FLOAT8_RECIPES)
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax all-reduce after each optimizer step")
     filter_fqns: list[str] = opt([], "also skip linears whose name contains one of these (the family's output head "
@@ -167,7 +178,7 @@ class Float8:
 
 @dataclass
 class MX:
-    recipe_name: str = opt("mxfp8_cublas", "MX recipe")
+    recipe_name: str = opt("mxfp8_cublas", f"MX recipe: {', '.join(MX_RECIPES)}")
     filter_fqns: list[str] = opt([], "also skip linears whose name contains one of these (the family's output head "
                                  "is always skipped)")
     emulate: bool = opt(False, "emulate MX matmuls (runs anywhere; for tests)")
@@ -185,6 +196,19 @@ class Quantize:
 
 
 @dataclass
+class Generate:
+    prompt: str = opt("", "text to continue (python -m tessera.generate); after the tokenizer's BOS")
+    prompt_ids: list[str] = opt([], "token ids to continue instead of prompt, e.g. 1,2,3")
+    max_new_tokens: int = opt(64, "tokens to sample at most (fewer when EOS comes)", min=1)
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", min=0.0)
+    top_k: int = opt(0, "sample among the k most likely tokens; 0 = all", min=0)
+    top_p: float = opt(1.0, "sample among the most likely tokens holding this much probability", min=0.0, max=1.0)
+    seed: int = opt(0, "seed of the sampling", min=0, max=2**63 - 1)
+    device: str = opt("auto", "where to run; auto = cuda when there is one, else cpu", choices=("auto", "cpu", "cuda"))
+    json: bool = opt(False, "print {prompt_ids, output_ids, text} as JSON instead of the text")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -198,3 +222,4 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
+    generate: Generate = field(default_factory=Generate)

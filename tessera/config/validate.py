@@ -8,7 +8,13 @@ import os
 from tessera import architecture
 from tessera.checkpoint.folder import read_saved_config, resume_point
 from tessera.config.manager import ConfigError
-from tessera.config.sections import LOADABLE_PARTS, JobConfig
+from tessera.config.sections import (
+    FLOAT8_CONVERTER as FLOAT8,
+    LOADABLE_PARTS,
+    MX_CONVERTER as MX,
+    MX_RECIPES,
+    JobConfig,
+)
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
@@ -205,46 +211,43 @@ def _check_pp(cfg: JobConfig, args, pp: int) -> None:
         raise ConfigError(f"parallelism.pipeline_parallel_degree {pp}: {problem}")
 
 
-# Restated from tessera/parallel/quantize.py, which needs torch.
-_FLOAT8, _MX = "quantize.linear.float8", "quantize.linear.mx"
-_MX_RECIPES = ("mxfp8_cublas", "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 
 
 def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
     """Converters (Float8 / MX) and FSDP CPU offload. The exact GPU capability is checked at model build."""
     conv, f8, mx = cfg.model.converters, cfg.quantize.linear.float8, cfg.quantize.linear.mx
-    unknown = [c for c in conv if c not in (_FLOAT8, _MX)]
+    unknown = [c for c in conv if c not in (FLOAT8, MX)]
     if unknown:
-        raise ConfigError(f"model.converters: unknown converter(s) {unknown}; choose from {_FLOAT8}, {_MX}")
-    if _FLOAT8 in conv and _MX in conv:
-        raise ConfigError(f"model.converters: {_FLOAT8} and {_MX} would convert the same linears; pick one")
-    if _MX in conv and dims.tp > 1:
-        raise ConfigError(f"model.converters: {_MX} with tensor parallelism is not supported yet; use FSDP "
-                          f"(data_parallel_shard_degree) instead, or {_FLOAT8} with recipe_name = 'rowwise'")
-    if _FLOAT8 in conv and dims.tp > 1 and f8.recipe_name == "tensorwise":
+        raise ConfigError(f"model.converters: unknown converter(s) {unknown}; choose from {FLOAT8}, {MX}")
+    if FLOAT8 in conv and MX in conv:
+        raise ConfigError(f"model.converters: {FLOAT8} and {MX} would convert the same linears; pick one")
+    if MX in conv and dims.tp > 1:
+        raise ConfigError(f"model.converters: {MX} with tensor parallelism is not supported yet; use FSDP "
+                          f"(data_parallel_shard_degree) instead, or {FLOAT8} with recipe_name = 'rowwise'")
+    if FLOAT8 in conv and dims.tp > 1 and f8.recipe_name == "tensorwise":
         # Checked on gloo: step-1 gradients of TP 2 with tensorwise float8 differ from the unsharded run by ~8%
         # (rowwise: 1e-7), and torchao's float8 TP styles need float8 collectives, which gloo lacks.
-        raise ConfigError(f"{_FLOAT8}.recipe_name: 'tensorwise' with tensor parallelism is not supported: its "
+        raise ConfigError(f"{FLOAT8}.recipe_name: 'tensorwise' with tensor parallelism is not supported: its "
                           f"per-tensor scales of sharded activations and gradients do not match the unsharded "
                           f"run; use recipe_name = 'rowwise' (or 'rowwise_with_gw_hp') with TP")
-    for name, section in ((_FLOAT8, f8), (_MX, mx)):
+    for name, section in ((FLOAT8, f8), (MX, mx)):
         if name in conv and not section.emulate and not _has_cuda():
-            raise ConfigError(f"{name}: needs a CUDA GPU (compute capability >= {'8.9' if name == _FLOAT8 else '10.0'})"
+            raise ConfigError(f"{name}: needs a CUDA GPU (compute capability >= {'8.9' if name == FLOAT8 else '10.0'})"
                               f" and none was found; set {name}.emulate = true to emulate it (slow; for tests) or "
                               f"remove it from model.converters")
-    if _FLOAT8 in conv:
+    if FLOAT8 in conv:
         if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
-            raise ConfigError(f"{_FLOAT8}.enable_fsdp_float8_all_gather: needs recipe_name = 'tensorwise' (one "
+            raise ConfigError(f"{FLOAT8}.enable_fsdp_float8_all_gather: needs recipe_name = 'tensorwise' (one "
                               f"scale per weight), not '{f8.recipe_name}'")
         if f8.precompute_float8_dynamic_scale_for_fsdp and not (f8.enable_fsdp_float8_all_gather
                                                                 and f8.recipe_name == "tensorwise"):
-            raise ConfigError(f"{_FLOAT8}.precompute_float8_dynamic_scale_for_fsdp: only works with recipe_name = "
+            raise ConfigError(f"{FLOAT8}.precompute_float8_dynamic_scale_for_fsdp: only works with recipe_name = "
                               f"'tensorwise' and enable_fsdp_float8_all_gather = true")
         if "auto_filter_small_kn" in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
-            raise ConfigError(f"{_FLOAT8}.filter_fqns: auto_filter_small_kn has no size thresholds for "
+            raise ConfigError(f"{FLOAT8}.filter_fqns: auto_filter_small_kn has no size thresholds for "
                               f"rowwise_with_gw_hp; name the layers to skip instead")
-    if _MX in conv and mx.recipe_name not in _MX_RECIPES:
-        raise ConfigError(f"{_MX}.recipe_name: '{mx.recipe_name}' is not one of {', '.join(_MX_RECIPES)}")
+    if MX in conv and mx.recipe_name not in MX_RECIPES:
+        raise ConfigError(f"{MX}.recipe_name: '{mx.recipe_name}' is not one of {', '.join(MX_RECIPES)}")
     if cfg.training.enable_cpu_offload and dims.dp == 1:
         raise ConfigError("training.enable_cpu_offload: offloads FSDP's shards, so it needs a data-parallel degree "
                           "> 1 (data_parallel_shard_degree or replicate)")

@@ -35,8 +35,9 @@ class Counts:
 @dataclass(frozen=True)
 class ModelSpec:
     """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
-    `init_buffers(device, positions=None)` (positions: each local token's global one, under context parallel)
-    and `param_init(name, full_tensor, generator)`."""
+    `init_buffers(device, positions=None)` (positions: each local token's global one, under context parallel),
+    `param_init(name, full_tensor, generator)`, and for decoding `forward(tokens, cache)` with
+    `new_cache(batch, max_len, dtype, device)`."""
 
     model: type
     parallelize: Callable  # (model, world, cfg) -> model: the family's plan over tessera.parallel
@@ -57,6 +58,7 @@ class Family:
     embedding: str  # the input embedding's parameter (its rows are the vocabulary)
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
+    hf_model_type: str  # config.json's model_type
 
     def spec(self) -> ModelSpec:
         module, _, attr = self.torch_side.partition(":")

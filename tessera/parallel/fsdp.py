@@ -5,8 +5,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from tessera.dtypes import DTYPES
 
 
 def mixed_precision(training, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
@@ -15,7 +14,7 @@ def mixed_precision(training, device: torch.device) -> tuple[torch.dtype, torch.
     name = training.mixed_precision_param
     if name == "auto":
         name = "float32" if device.type == "cpu" else "bfloat16"
-    return _DTYPES[name], _DTYPES[training.mixed_precision_reduce]
+    return DTYPES[name], DTYPES[training.mixed_precision_reduce]
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], *, param_dtype: torch.dtype,

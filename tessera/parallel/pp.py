@@ -8,8 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, _PipelineScheduleRuntime,
-                                                    get_schedule_class)
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineScheduleRuntime, get_schedule_class
 
 from tessera.parallel import pp_layout
 
@@ -51,7 +50,8 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
     """`loss_fn` must already divide by the number of micro-batches: the schedule does not scale gradients,
     because its scaling would also rescale gradients accumulated by earlier steps of gradient accumulation."""
     p = cfg.parallelism
-    stages = [PipelineStage(part, i, n_stages, device, group=pp_mesh.get_group()) for part, i in zip(parts, stage_ids)]
+    stages = [PipelineStage(part, i, n_stages, device, group=pp_mesh.get_group())
+              for part, i in zip(parts, stage_ids, strict=True)]
     n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     if p.pipeline_parallel_schedule_csv:
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)

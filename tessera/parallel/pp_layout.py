@@ -19,7 +19,7 @@ def stage_layers(n_layers: int, n_stages: int, split_points: list[str], first_le
     `first_less` / `last_less` fewer layers; the remainder goes to the middle stages."""
     if split_points:
         starts = [0, *(int(p.rsplit(".", 1)[-1]) for p in split_points), n_layers]
-        return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+        return [list(range(a, b)) for a, b in zip(starts, starts[1:], strict=False)]
     base, extra = divmod(n_layers + first_less + last_less, n_stages)
     sizes = [base] * n_stages
     middle = list(range(1, n_stages - 1)) or list(range(n_stages))
@@ -60,7 +60,7 @@ def check(n_layers: int, pp: int, schedule: str, csv: str, local_batch: int, mic
     except ValueError:
         return f"split points {split_points} are not layer indices"
     if sum(map(len, layout)) != n_layers or any(not ids for ids in layout[1:-1]) or \
-            any(b and a and a[-1] >= b[0] for a, b in zip(layout, layout[1:])):
+            any(b and a and a[-1] >= b[0] for a, b in zip(layout, layout[1:], strict=False)):
         return f"{n_layers} layers cannot fill {stages} stages ({[len(x) for x in layout]} layers each)"
     if local_batch % microbatch:
         return f"local_batch_size {local_batch} is not divisible by pipeline_parallel_microbatch_size {microbatch}"

@@ -2,8 +2,7 @@
 
 Converters run on the meta model before TP/FSDP. Master weights, optimizer state and checkpoints stay in
 high precision: only the matmuls (and, optionally, FSDP's all-gathers) run in 8 bits, so parameter
-names and checkpoint keys do not change. Which names the configs accept is checked torch-free in
-tessera/config/validate.py (FLOAT8/MX/MX_RECIPES below are re-stated there).
+names and checkpoint keys do not change. The names configs accept are in tessera/config/sections.py.
 """
 
 import dataclasses
@@ -14,15 +13,14 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, JobConfig
+from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, MX_CONVERTER as MX, MX_RECIPES
 
 log = logging.getLogger("tessera")
 
-FLOAT8, MX = "quantize.linear.float8", "quantize.linear.mx"
 AUTO_FILTER = "auto_filter_small_kn"
 # Our recipe name -> torchao MXFP8TrainingRecipe value. mxfp8_cublas (the name older torchao used for
 # its cuBLAS MXFP8 recipe) is today's RCEIL recipe with the best available kernels.
-MX_RECIPES = {"mxfp8_cublas": "mxfp8_rceil", "mxfp8_rceil": "mxfp8_rceil",
-              "mxfp8_rceil_wgrad_with_hp": "mxfp8_rceil_wgrad_with_hp"}
+_TORCHAO_MX = {name: "mxfp8_rceil" if name == "mxfp8_cublas" else name for name in MX_RECIPES}
 # Minimum CUDA compute capability with hardware support: float8 from Ada/Hopper, MX from Blackwell.
 _MIN_CAPABILITY = {FLOAT8: (8, 9), MX: (10, 0)}
 
@@ -81,12 +79,13 @@ def apply_mx(model: nn.Module, cfg, device: torch.device, high_precision: tuple[
     from torchao.quantization.quantize_.common import KernelPreference
 
     check_hardware(MX, cfg.emulate, device)
-    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(MX_RECIPES[cfg.recipe_name]))
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(_TORCHAO_MX[cfg.recipe_name]))
     if cfg.emulate:  # the same quantization, with plain matmuls on dequantized blocks
         config = dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED)
     fqns = [*high_precision, *(f for f in cfg.filter_fqns if f != AUTO_FILTER)]
     # MX scales blocks of 32 along K, and the kernels need N and K multiples of 32 too.
-    auto = (lambda m, _: m.in_features % 32 == 0 and m.out_features % 32 == 0)
+    def auto(m: nn.Module, _: str) -> bool:
+        return m.in_features % 32 == 0 and m.out_features % 32 == 0
     quantize_(model, config, filter_fn=_linear_filter(fqns, auto))
     names = [n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and isinstance(m.weight.data, MXFP8TrainingWeightWrapperTensor)]

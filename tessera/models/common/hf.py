@@ -18,8 +18,8 @@ class Renamer:
 
     def __init__(self, family: str, layer: dict[str, str], top: dict[str, str]):
         self.family = family
-        self.to = {**{rf"layers\.(\d+)\.{re.escape(k)}\.weight": rf"model.layers.\1.{v}.weight" for k, v in layer.items()},
-                   **{re.escape(k): v for k, v in top.items()}}
+        self.to = {**{rf"layers\.(\d+)\.{re.escape(k)}\.weight": rf"model.layers.\1.{v}.weight"
+                      for k, v in layer.items()}, **{re.escape(k): v for k, v in top.items()}}
         self.back = {**{rf"model\.layers\.(\d+)\.{re.escape(v)}\.weight": rf"layers.\1.{k}.weight"
                         for k, v in layer.items()}, **{re.escape(v): k for k, v in top.items()}}
 

@@ -69,8 +69,8 @@ _TABLE = {
 }
 
 FLAVORS = {
-    name: Llama3Args(dim=d, n_layers=l, n_heads=h, n_kv_heads=kv, ffn_dim_multiplier=m, multiple_of=mo,
+    name: Llama3Args(dim=d, n_layers=n, n_heads=h, n_kv_heads=kv, ffn_dim_multiplier=m, multiple_of=mo,
                      rope_scaling_factor=rs, tie_embeddings=tie)
-    for name, (d, l, h, kv, m, mo, rs, tie) in _TABLE.items()
+    for name, (d, n, h, kv, m, mo, rs, tie) in _TABLE.items()
 }
 TAKES_TOKENIZER_VOCAB = {"tiny", "debugmodel"}

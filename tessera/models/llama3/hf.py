@@ -1,7 +1,15 @@
 """Hugging Face <-> Tessera for Llama (`LlamaForCausalLM`). Our q/k layout is HF's already, so only names change."""
 
-from tessera.models.common.hf import (DECODER_LAYER, DECODER_TOP, Renamer, decoder_config, heads, positive_int,
-                                      refuse_unsupported, rope_parameters)
+from tessera.models.common.hf import (
+    DECODER_LAYER,
+    DECODER_TOP,
+    Renamer,
+    decoder_config,
+    heads,
+    positive_int,
+    refuse_unsupported,
+    rope_parameters,
+)
 from tessera.models.llama3.args import Llama3Args
 
 _NAMES = Renamer("Llama 3", DECODER_LAYER, DECODER_TOP)

@@ -7,4 +7,5 @@ from tessera.models.qwen3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 
 FAMILY = Family(name="qwen3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=decoder_counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
-                high_precision=("output",), torch_side="tessera.models.qwen3.spec:SPEC")
+                high_precision=("output",), torch_side="tessera.models.qwen3.spec:SPEC",
+                hf_model_type="qwen3")

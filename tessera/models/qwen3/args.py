@@ -38,6 +38,6 @@ _TABLE = {
     "32B": (5120, 64, 64, 8, 128, 25600, False),
 }
 
-FLAVORS = {name: Qwen3Args(dim=d, n_layers=l, n_heads=h, n_kv_heads=kv, head_dim=hd, ffn_hidden=f, tie_embeddings=t)
-           for name, (d, l, h, kv, hd, f, t) in _TABLE.items()}
+FLAVORS = {name: Qwen3Args(dim=d, n_layers=n, n_heads=h, n_kv_heads=kv, head_dim=hd, ffn_hidden=f, tie_embeddings=t)
+           for name, (d, n, h, kv, hd, f, t) in _TABLE.items()}
 TAKES_TOKENIZER_VOCAB = {"tiny", "debugmodel"}

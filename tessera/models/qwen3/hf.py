@@ -1,7 +1,15 @@
 """Hugging Face <-> Tessera for Qwen 3 dense (`Qwen3ForCausalLM`): Llama's names plus the q/k norms."""
 
-from tessera.models.common.hf import (DECODER_LAYER, DECODER_TOP, Renamer, decoder_config, heads, positive_int,
-                                      refuse_unsupported, rope_parameters)
+from tessera.models.common.hf import (
+    DECODER_LAYER,
+    DECODER_TOP,
+    Renamer,
+    decoder_config,
+    heads,
+    positive_int,
+    refuse_unsupported,
+    rope_parameters,
+)
 from tessera.models.qwen3.args import Qwen3Args
 
 _NAMES = Renamer("Qwen 3", {**DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",

@@ -1,0 +1,167 @@
+"""See what a model learned: sample a continuation of a prompt, with a KV cache, in one process.
+
+    python -m tessera.generate --job.dump_folder ./outputs/llama3_debug --generate.prompt "def main("
+    python -m tessera.generate --checkpoint.initial_load_in_hf --checkpoint.initial_load_path HF_DIR \\
+        --generate.prompt "Once upon a time" --generate.temperature 0 --generate.json
+
+The model is the newest checkpoint under `job.dump_folder` (full or weights-only, in whatever layout it was
+saved), or `checkpoint.initial_load_path`: a Tessera checkpoint folder, or with `initial_load_in_hf` a
+Hugging Face folder. Its architecture is what the checkpoint records (or config.json); the tokenizer is
+`model.hf_assets_path`, else the checkpoint's, else the HF folder's own tokenizer.json, else bytes.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tessera import models
+from tessera.checkpoint.folder import read_model_record, read_saved_config, resume_point
+from tessera.checkpoint.hf import HFError, load_hf
+from tessera.config import ConfigError, parse_args
+from tessera.data.tokenizer import build_tokenizer
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _build(fam, args, device: torch.device) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = fam.spec().model(args)
+    model.to_empty(device=device)
+    model.init_buffers(device)
+    return model.eval()
+
+
+def _checkpoint_folder(path: str) -> str:
+    """A step folder as is; a dump folder or a checkpoint root: its newest complete checkpoint."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    for root in (os.path.join(path, "checkpoint"), path):
+        found = resume_point(root) if os.path.isdir(root) else None
+        if found is not None:
+            return found[1]
+    raise ConfigError(f"checkpoint: no complete checkpoint in '{path}' (nor under its checkpoint/ folder)")
+
+
+def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", hf: bool | None = None,
+                    max_seq_len: int | None = None, hf_assets_path: str = ""):
+    """(model in eval mode on `device`, its tokenizer) from a Hugging Face folder (config.json + safetensors)
+    or a Tessera checkpoint: a step folder, a checkpoint root or a dump folder (its newest checkpoint).
+    `hf`: which of the two (default: a folder holding config.json and no DCP .metadata is HF);
+    `max_seq_len`: positions the RoPE table covers (default: what the checkpoint or config.json says)."""
+    path, device = str(path), torch.device(device)
+    hf = hf if hf is not None else (os.path.isfile(os.path.join(path, "config.json"))
+                                    and not os.path.isfile(os.path.join(path, ".metadata")))
+    if hf:
+        with open(os.path.join(path, "config.json")) as fh:
+            model_type = json.load(fh).get("model_type")
+        fam = next((models.family(n) for n in models.FAMILIES if models.family(n).hf_model_type == model_type), None)
+        if fam is None:
+            raise HFError(f"{path}/config.json: model_type {model_type!r} is none of Tessera's families' "
+                          f"({', '.join(models.family(n).hf_model_type for n in models.FAMILIES)})")
+        try:
+            args = models.hf_args(fam.name, path)
+        except ValueError as e:
+            raise HFError(str(e)) from None
+        assets = hf_assets_path or (path if os.path.isfile(os.path.join(path, "tokenizer.json")) else "")
+    else:
+        path = _checkpoint_folder(path)
+        record = read_model_record(path)
+        if record is None:
+            raise ConfigError(f"checkpoint: '{path}' records no architecture (model.json); it predates them, so "
+                              f"convert it with python -m tessera.convert dcp-to-hf and load that")
+        name, args = models.args_from_json(record)
+        fam = models.family(name)
+        assets = hf_assets_path or read_saved_config(path).get("model", {}).get("hf_assets_path", "")
+    if max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=max_seq_len)
+    model = _build(fam, args, device)
+    if hf:
+        load_hf(model, path, family=fam.name)
+    else:
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+    return model, build_tokenizer(assets)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """One token from the last position's logits [vocab]: greedy at temperature 0, else from the softmax at
+    `temperature` over the `top_k` most likely (0: all) and their smallest set holding `top_p` of the mass."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k:
+        logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -float("inf")
+    if top_p < 1:
+        probs, order = logits.softmax(-1).sort(descending=True)
+        beyond = probs.cumsum(-1) - probs > top_p  # tokens after the mass reached top_p
+        logits[order[beyond]] = -float("inf")
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None, seed: int = 0,
+             use_cache: bool = True) -> list[int]:
+    """The new token ids after `prompt_ids` (stopping after `eos_id`). Without the cache every step recomputes
+    the whole sequence: the reference the cached path is tested against."""
+    weight = next(model.parameters())
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    ids = torch.tensor([prompt_ids], device=weight.device)
+    cache = model.new_cache(1, len(prompt_ids) + max_new_tokens, weight.dtype, weight.device) if use_cache else None
+    logits = model(ids, cache)[0, -1]
+    out = []
+    for _ in range(max_new_tokens):
+        token = _sample(logits, temperature, top_k, top_p, gen)
+        out.append(token)
+        if token == eos_id or len(out) == max_new_tokens:
+            break
+        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+        logits = model(ids[:, -1:], cache)[0, -1] if use_cache else model(ids)[0, -1]
+    return out
+
+
+def _prompt(g, tokenizer) -> list[int]:
+    if g.prompt_ids:
+        try:
+            return [int(i) for i in g.prompt_ids]
+        except ValueError:
+            raise ConfigError(f"generate.prompt_ids: {','.join(g.prompt_ids)} are not all integers") from None
+    return [tokenizer.bos_id, *tokenizer.encode(g.prompt)]
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_args(argv)
+        g, c = cfg.generate, cfg.checkpoint
+        source = c.initial_load_path or cfg.job.dump_folder
+        model, tokenizer = from_pretrained(source, _device(g.device), hf=c.initial_load_in_hf or None,
+                                           max_seq_len=None, hf_assets_path=cfg.model.hf_assets_path)
+        prompt = _prompt(g, tokenizer)
+        if max(prompt) >= model.args.vocab_size:
+            raise ConfigError(f"generate.prompt_ids: id {max(prompt)} is past the model's vocabulary "
+                              f"({model.args.vocab_size})")
+        device = next(model.parameters()).device  # the RoPE table for every position asked, however many
+        model.init_buffers(device, torch.arange(len(prompt) + g.max_new_tokens, device=device))
+        out = generate(model, prompt, g.max_new_tokens, g.temperature, g.top_k, g.top_p, tokenizer.eos_id, g.seed)
+    except (ConfigError, HFError) as e:
+        print(f"tessera.generate: {e}", file=sys.stderr)
+        return 2
+    text = tokenizer.decode(out)
+    print(json.dumps({"prompt_ids": prompt, "output_ids": out, "text": text}) if g.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
