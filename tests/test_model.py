@@ -65,3 +65,34 @@ def test_logits_equal_transformers(kw):
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
     back = from_hf(to_hf(ours.state_dict()))
     assert back.keys() == ours.state_dict().keys()
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 32,
+                    "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("kind", ROPES)
+def test_rope_frequencies_equal_transformers(kind):
+    """The shared RoPE schedules (tessera.models.common.rope) against transformers' own, to 1e-6."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tessera.models.common.rope import attention_factor, inv_freq
+
+    rope = ROPES[kind]
+    original = rope.get("original_max_position_embeddings", 64)
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope),
+                                      max_position_embeddings=int(original * rope.get("factor", 1.0)))
+    if kind == "default":
+        theirs, scale = 1.0 / rope["rope_theta"] ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64), 1.0
+    else:
+        theirs, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    scaling = None if kind == "default" else rope
+    torch.testing.assert_close(inv_freq(64, rope["rope_theta"], scaling), theirs.double(), rtol=1e-6, atol=0)
+    assert abs(attention_factor(scaling) - scale) < 1e-9

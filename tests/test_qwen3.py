@@ -43,6 +43,8 @@ ODD = {  # transformers' Qwen3Config fields; none is a preset
     "mqa_tied": dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
     "theta_eps": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rms_norm_eps=1e-5,
                       num_key_value_heads=4),
+    "yarn_long": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                       "original_max_position_embeddings": 16}, max_position_embeddings=64),
 }
 
 
@@ -74,10 +76,11 @@ def _built(path, seq: int):
 def test_any_qwen3_config_builds_and_round_trips(case, tmp_path):
     transformers = pytest.importorskip("transformers")
     theirs = _theirs(tmp_path / "in", **ODD[case])
-    ours, args = _built(tmp_path / "in", 32)
+    seq = 64 if case.startswith("yarn") else 32  # 4x YaRN's original context: its scaled frequencies matter
+    ours, args = _built(tmp_path / "in", seq)
     assert all(args.arch() != f.arch() for f in QWEN3.flavors.values())
     load_hf(ours, tmp_path / "in")
-    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(tokens).logits
         torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.common.attention import Attention, FeedForward, KVCache
-from tessera.models.common.rope import inv_freq, rope_table
+from tessera.models.common.rope import attention_factor, inv_freq, rope_table
 
 
 class TransformerBlock(nn.Module):
@@ -44,8 +44,9 @@ class Decoder(nn.Module):
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
         """The RoPE table; `positions`: the global position of each local token (context parallel), else 0..n-1."""
         positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
-        self.rope = rope_table(positions.to(device), inv_freq(self.args.head_dim, self.args.rope_theta,
-                                                              self.args.rope_scaling))
+        a = self.args
+        self.rope = rope_table(positions.to(device), inv_freq(a.head_dim, a.rope_theta, a.rope_scaling),
+                               attention_factor(a.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding.

@@ -1,5 +1,5 @@
 """Rotary position embeddings in the Hugging Face layout (halves rotated, not interleaved pairs), with the
-frequency schedules the families use: plain, and Llama 3.1's scaling. Tables are computed in float64."""
+frequency schedules the families use: plain, Llama 3.1's scaling, and YaRN. Tables are computed in float64."""
 
 import math
 
@@ -7,27 +7,55 @@ import torch
 
 
 def inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies; `scaling` {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} slows long wavelengths by `factor`, with a smooth ramp between."""
+    """Inverse frequencies. `scaling` (as transformers' rope_parameters): {"rope_type": "llama3", factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings} slows long wavelengths by `factor`
+    with a smooth ramp between; {"rope_type": "yarn", factor, original_max_position_embeddings, beta_fast,
+    beta_slow, truncate} interpolates the dimensions that rotate fewer than beta_slow times over the original
+    context, keeps those that rotate more than beta_fast, and ramps linearly between."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if not scaling:
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
         return freqs
-    if scaling["rope_type"] != "llama3":
-        raise ValueError(f"unknown RoPE scaling {scaling['rope_type']!r}")
-    factor, low_ff, high_ff = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / freqs
-    smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
-    scaled = torch.where(wavelen > original / low_ff, freqs / factor, freqs)
-    ramp = (1 - smooth) * scaled / factor + smooth * scaled
-    return torch.where((wavelen >= original / high_ff) & (wavelen <= original / low_ff), ramp, scaled)
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / freqs
+        smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+        scaled = torch.where(wavelen > original / low_ff, freqs / factor, freqs)
+        ramp = (1 - smooth) * scaled / factor + smooth * scaled
+        return torch.where((wavelen >= original / high_ff) & (wavelen <= original / low_ff), ramp, scaled)
+    if kind == "yarn":
+        def rotations_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = rotations_dim(scaling.get("beta_fast") or 32), rotations_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        return freqs / factor * ramp + freqs * (1 - ramp)
+    raise ValueError(f"unknown RoPE scaling {kind!r}")
 
 
-def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """[len(positions), 2, head_dim]: cos and sin at each position."""
+def attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (its attention temperature); 1 otherwise."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def rope_table(positions: torch.Tensor, freqs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """[len(positions), 2, head_dim]: cos and sin at each position, times `scale`."""
     angles = torch.outer(positions.to(torch.float64), freqs.to(positions.device))
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=1).float()
+    return (torch.stack([angles.cos(), angles.sin()], dim=1) * scale).float()
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ class Qwen3Args:
     rope_theta: float = 1e6
     max_seq_len: int = 4096  # length of the RoPE table; set from training.seq_len
     tie_embeddings: bool = False
+    rope_scaling: dict | None = None  # YaRN for long context, as transformers' rope_parameters; None = plain
 
-    qk_norm = True  # not fields: per-head RMSNorm of queries and keys before RoPE, and no RoPE scaling
-    rope_scaling = None
+    qk_norm = True  # not a field: per-head RMSNorm of queries and keys before RoPE
 
     def arch(self) -> dict:
         """What the model computes with, to compare two args."""
