@@ -199,6 +199,7 @@ ODD = {  # transformers' own LlamaConfig fields
     "mqa": dict(num_attention_heads=8, num_key_value_heads=1, intermediate_size=96),
     "untied_odd_vocab": dict(vocab_size=1001, tie_word_embeddings=False),
     "tied_head_dim_apart": dict(head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "attention_bias": dict(attention_bias=True, num_key_value_heads=4),
     "rope_llama3_long": dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e4, factor=4.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0, original_max_position_embeddings=16),
                              max_position_embeddings=64),
@@ -215,6 +216,10 @@ def test_any_llama_config_builds_and_round_trips(case, tmp_path):
                                                 max_position_embeddings=256), **ODD[case]})
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF starts biases at 0: make them count
+        for name, p in theirs.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     theirs.save_pretrained(tmp_path / "in")
     seq = 128 if case.startswith("rope") else 32  # 8x the original context: the scaled frequencies matter
     tokens = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(1))

@@ -96,3 +96,39 @@ def test_rope_frequencies_equal_transformers(kind):
     scaling = None if kind == "default" else rope
     torch.testing.assert_close(inv_freq(64, rope["rope_theta"], scaling), theirs.double(), rtol=1e-6, atol=0)
     assert abs(attention_factor(scaling) - scale) < 1e-9
+
+
+def _reference_attention(q, k, v, ok, sinks=None):
+    """Softmax attention spelled out, one (batch, head, query) at a time."""
+    out = torch.zeros_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(q.shape[2]):
+                keys = [j for j in range(k.shape[2]) if ok[i, j]]
+                scores = torch.stack([q[b, h, i] @ k[b, h // groups, j] / q.shape[-1] ** 0.5 for j in keys])
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h].view(1)])
+                probs = scores.softmax(0)[:len(keys)]
+                out[b, h, i] = sum(p * v[b, h // groups, j] for p, j in zip(probs, keys, strict=True))
+    return out
+
+
+@pytest.mark.parametrize("window, chunk, sinks", [(0, 0, False), (3, 0, False), (0, 4, False), (3, 0, True),
+                                                  (0, 0, True)])
+def test_attention_masks_and_sinks_equal_the_spelled_out_softmax(window, chunk, sinks):
+    from tessera.models.common.attention import CausalSDPA, allowed
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 10, 8, generator=gen) for n in (4, 2, 2))
+    sdpa = CausalSDPA(window, chunk, 4 if sinks else 0)
+    if sinks:
+        sdpa.sinks.data = torch.randn(4, generator=gen)
+    ok = allowed(10, 10, window, chunk)
+    assert ok[9].tolist() == [j <= 9 and (not window or j > 9 - window) and (not chunk or j // chunk == 2)
+                              for j in range(10)]
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(q, k, v), _reference_attention(q, k, v, ok, sdpa.sinks), rtol=1e-5,
+                                   atol=1e-5)
+        # Decoding: the last 3 queries against all 10 keys see what they saw in the full pass.
+        torch.testing.assert_close(sdpa(q[:, :, 7:], k, v), sdpa(q, k, v)[:, :, 7:], rtol=1e-5, atol=1e-5)

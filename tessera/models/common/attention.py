@@ -1,5 +1,8 @@
-"""Causal self-attention with grouped (GQA) or multi-query (MQA) key/value heads, optional per-head RMSNorm
-of queries and keys before RoPE (Qwen 3), and a key/value cache for incremental decoding."""
+"""Causal self-attention with grouped (GQA) or multi-query (MQA) key/value heads, optional biases, optional
+per-head RMSNorm of queries and keys before RoPE (Qwen 3), masks narrower than causal (a sliding window, or
+chunks attended within), learned attention sinks, and a key/value cache for incremental decoding."""
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -8,16 +11,48 @@ from torch import nn
 from tessera.models.common.rope import apply_rope
 
 
+def allowed(n_q: int, n_k: int, window: int = 0, chunk: int = 0, device=None) -> torch.Tensor:
+    """[n_q, n_k] bool: which keys each query sees. Queries are the last n_q of the n_k positions; each sees
+    the keys at or before it, only the last `window` of them (0: all), and only those of its own `chunk`
+    of positions (0: one chunk)."""
+    q = torch.arange(n_k - n_q, n_k, device=device)[:, None]
+    k = torch.arange(n_k, device=device)[None]
+    ok = k <= q
+    if window:
+        ok &= k > q - window
+    if chunk:
+        ok &= k // chunk == q // chunk
+    return ok
+
+
 class CausalSDPA(nn.Module):
     """The attention kernel, a module of its own so a parallelism (context parallel) can swap it. Queries are
-    the last positions of the keys (all of them in training; the new ones when decoding with a cache)."""
+    the last positions of the keys (all of them in training; the new ones when decoding with a cache).
+    `window`/`chunk` narrow the causal mask (see `allowed`); `n_sinks` heads get a learned sink logit each,
+    a column every query attends that holds no value (it only takes probability mass), computed eagerly."""
+
+    def __init__(self, window: int = 0, chunk: int = 0, n_sinks: int = 0):
+        super().__init__()
+        self.window, self.chunk = window, chunk
+        self.sinks = nn.Parameter(torch.empty(n_sinks)) if n_sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_q, n_k = q.shape[2], k.shape[2]
-        if n_q == n_k:
+        if self.sinks is not None:
+            return self._with_sinks(q, k, v, allowed(n_q, n_k, self.window, self.chunk, q.device))
+        if n_q == n_k and not self.window and not self.chunk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        mask = allowed(n_q, n_k, self.window, self.chunk, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return probs @ v
 
 
 class KVCache(nn.Module):
@@ -41,14 +76,14 @@ class KVCache(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool = False,
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, bias: bool = False, window: int = 0, chunk: int = 0, sinks: bool = False):
         super().__init__()
-        self.sdpa = CausalSDPA()
+        self.sdpa = CausalSDPA(window, chunk, n_heads if sinks else 0)
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 

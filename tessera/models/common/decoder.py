@@ -2,7 +2,8 @@
 a final norm and the output head (or the embedding matrix, tied).
 
 Its args are any dataclass with: dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size,
-norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None).
+norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None),
+and attention_bias (biases on q, k, v and o).
 """
 
 import math
@@ -20,7 +21,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm,
-                                   args.norm_eps)
+                                   args.norm_eps, args.attention_bias)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
@@ -76,6 +77,8 @@ class Decoder(nn.Module):
         """
         if name.endswith("norm.weight"):
             full.fill_(1.0)
+        elif name.endswith(".bias"):
+            full.zero_()
         elif name == "tok_embeddings.weight":
             full.normal_(0.0, 1.0, generator=gen)
         elif name == "output.weight":

@@ -18,9 +18,9 @@ class Renamer:
 
     def __init__(self, family: str, layer: dict[str, str], top: dict[str, str]):
         self.family = family
-        self.to = {**{rf"layers\.(\d+)\.{re.escape(k)}\.weight": rf"model.layers.\1.{v}.weight"
+        self.to = {**{rf"layers\.(\d+)\.{re.escape(k)}\.(weight|bias)": rf"model.layers.\1.{v}.\2"
                       for k, v in layer.items()}, **{re.escape(k): v for k, v in top.items()}}
-        self.back = {**{rf"model\.layers\.(\d+)\.{re.escape(v)}\.weight": rf"layers.\1.{k}.weight"
+        self.back = {**{rf"model\.layers\.(\d+)\.{re.escape(v)}\.(weight|bias)": rf"layers.\1.{k}.\2"
                         for k, v in layer.items()}, **{re.escape(v): k for k, v in top.items()}}
 
     def _rename(self, name: str, table: dict) -> str:
@@ -85,5 +85,5 @@ def decoder_config(args, architecture: str, model_type: str, rope: dict, max_pos
             "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
             "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
             "rope_parameters": rope, "max_position_embeddings": max_pos, "tie_word_embeddings": args.tie_embeddings,
-            "bos_token_id": bos_id, "eos_token_id": eos_id, "hidden_act": "silu", "attention_bias": False,
+            "bos_token_id": bos_id, "eos_token_id": eos_id, "hidden_act": "silu", "attention_bias": args.attention_bias,
             "torch_dtype": "float32"}

@@ -22,6 +22,7 @@ class Llama3Args:
     tie_embeddings: bool = False
     head_dim_override: int = 0  # 0: dim // n_heads; Hugging Face configs may set head_dim apart
     ffn_hidden_override: int = 0  # 0: from ffn_dim_multiplier and multiple_of; HF configs give intermediate_size
+    attention_bias: bool = False  # biases on q, k, v and o (HF configs may set them)
 
     qk_norm = False  # not a field: Llama has no query/key norm
 
@@ -50,7 +51,7 @@ class Llama3Args:
         out = dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                    head_dim=self.head_dim, ffn_hidden=self.ffn_hidden, vocab_size=self.vocab_size,
                    norm_eps=self.norm_eps, rope_theta=self.rope_theta, rope_scaling_factor=self.rope_scaling_factor,
-                   tie_embeddings=self.tie_embeddings)
+                   tie_embeddings=self.tie_embeddings, attention_bias=self.attention_bias)
         if self.rope_scaling_factor:
             out.update(rope_low_freq_factor=self.rope_low_freq_factor, rope_high_freq_factor=self.rope_high_freq_factor,
                        rope_original_max_pos=self.rope_original_max_pos)

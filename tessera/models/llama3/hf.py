@@ -18,9 +18,8 @@ to_hf, from_hf = _NAMES.to_hf, _NAMES.from_hf
 
 def args_from_hf_config(config: dict) -> Llama3Args:
     """The architecture a transformers `LlamaForCausalLM` config.json describes. A setting Tessera's Llama does not
-    compute (biases, another activation or RoPE type) is refused: the weights would load into other math."""
-    refuse_unsupported(config, "llama3", "llama", {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
-                       ("default", "llama3"))
+    compute (MLP biases, another activation or RoPE type) is refused: the weights would load into other math."""
+    refuse_unsupported(config, "llama3", "llama", {"hidden_act": "silu", "mlp_bias": False}, ("default", "llama3"))
     rope = rope_parameters(config)
     dim, n_heads, kv_heads, head_dim = heads(config)
     scaled = rope["rope_type"] == "llama3"
@@ -35,7 +34,8 @@ def args_from_hf_config(config: dict) -> Llama3Args:
             max_seq_len=int(config.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             head_dim_override=head_dim if head_dim != dim // n_heads else 0,
-            ffn_hidden_override=positive_int(config, "intermediate_size"))
+            ffn_hidden_override=positive_int(config, "intermediate_size"),
+            attention_bias=bool(config.get("attention_bias", False)))
     except KeyError as e:
         raise ValueError(f"rope_parameters lacks {e} for rope_type 'llama3'") from None
 

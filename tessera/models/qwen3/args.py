@@ -19,7 +19,8 @@ class Qwen3Args:
     tie_embeddings: bool = False
     rope_scaling: dict | None = None  # YaRN for long context, as transformers' rope_parameters; None = plain
 
-    qk_norm = True  # not a field: per-head RMSNorm of queries and keys before RoPE
+    qk_norm = True  # not fields: per-head RMSNorm of queries and keys before RoPE, and no biases
+    attention_bias = False
 
     def arch(self) -> dict:
         """What the model computes with, to compare two args."""
