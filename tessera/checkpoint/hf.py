@@ -38,13 +38,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _full_shapes(family: str, args) -> dict[str, torch.Size]:
-    """Our name -> shape for every tensor of the whole model `args` describes (built on meta: no memory), so
-    a pipeline stage, which holds some of them, checks and writes against the whole model."""
-    with torch.device("meta"):
-        return {k: v.shape for k, v in models.family(family).spec().model(args).state_dict().items()}
-
-
 def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
     """Tensor name -> output file number (1..n), filled in order up to `max_shard_bytes` per file."""
     index, file, used = {}, 1, 0
@@ -146,27 +139,31 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         saved = reader.read_metadata().state_dict_metadata
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
         raise HFError(f"cannot read the safetensors files in '{folder}': {type(e).__name__}: {e}") from None
-    hf = models.family(family).hf
-    full = _full_shapes(family, args)
-    ours = {}  # our name -> the checkpoint's name
+    fam = models.family(family)
+    with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
+        whole = fam.hf.to_hf(fam.spec().model(args).state_dict())
     for name in saved:
-        try:
-            ours.update(hf.from_hf({name: name}))
-        except KeyError:
-            raise HFError(f"unexpected tensor '{name}' in '{folder}': no {family} parameter maps to it") from None
-    for name in ours:
-        if name not in full:
-            raise HFError(f"unexpected tensor '{ours[name]}' in '{folder}': the model built has no {name}")
-    for name, shape in full.items():
-        if name not in ours:
-            want = next(iter(hf.to_hf({name: None})))
-            raise HFError(f"missing tensor '{want}' (for {name}) in '{folder}'")
-        got = tuple(saved[ours[name]].size)
-        if got != tuple(shape):
-            raise HFError(f"shape mismatch for '{ours[name]}' in '{folder}': checkpoint {list(got)}, "
-                          f"model {list(shape)}")
-    state = get_model_state_dict(model)
+        if name not in whole:
+            ours = _our_name(fam.hf, name)
+            raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
+                f"the model built has no {ours}" if ours else f"no {family} parameter maps to it"))
+    for name, t in whole.items():
+        if name not in saved:
+            raise HFError(f"missing tensor '{name}' (for {_our_name(fam.hf, name)}) in '{folder}'")
+        if tuple(saved[name].size) != tuple(t.shape):
+            raise HFError(f"shape mismatch for '{name}' in '{folder}': checkpoint {list(saved[name].size)}, "
+                          f"model {list(t.shape)}")
+    # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
+    # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
+    targets = fam.hf.to_hf(get_model_state_dict(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({ours[k]: v for k, v in state.items()}, storage_reader=reader)
-    set_model_state_dict(model, state)
+        dcp.load(targets, storage_reader=reader)
+    set_model_state_dict(model, fam.hf.from_hf(targets))
+
+
+def _our_name(hf, name: str) -> str | None:
+    try:
+        return next(iter(hf.from_hf({name: None})))
+    except KeyError:
+        return None
