@@ -150,12 +150,12 @@ def _check_data(cfg: JobConfig) -> None:
 
 
 def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """What the family accepts of TP and PP (its vocabulary, when the tokenizer's, is checked once known)."""
+    """What the family accepts of TP, CP and PP (its vocabulary, when the tokenizer's, is checked once known)."""
     fam = family(cfg.model.name)
     if cfg.model.flavor in fam.takes_tokenizer_vocab:
         args = dataclasses.replace(args, vocab_size=0)
     try:
-        fam.check_layout(args, dims.tp, dims.pp, f"{cfg.model.name} {cfg.model.flavor or 'model'}")
+        fam.check_layout(args, dims.tp, dims.cp, dims.pp, f"{cfg.model.name} {cfg.model.flavor or 'model'}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):

@@ -56,7 +56,7 @@ class Family:
     takes_tokenizer_vocab: frozenset[str]  # flavors whose vocabulary is the tokenizer's
     hf: HFAdapter
     counts: Callable[[Any, int], Counts]  # (args, seq_len)
-    check_layout: Callable[[Any, int, int, str], None]  # (args, tp, pp, label): ValueError "key: why" if refused
+    check_layout: Callable[[Any, int, int, int, str], None]  # (args, tp, cp, pp, label): ValueError "key: why"
     embedding: str  # the input embedding's parameter (its rows are the vocabulary)
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec

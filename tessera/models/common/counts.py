@@ -16,9 +16,9 @@ def decoder_counts(args, seq_len: int) -> Counts:
     return Counts(params=params, active=params, embedding=embedding, flops_per_token=flops)
 
 
-def check_decoder_layout(args, tp: int, pp: int, label: str) -> None:
-    """What tensor and pipeline parallelism need of the shared decoder. A vocabulary of 0 is not known yet
-    (the tokenizer's), and is checked once it is."""
+def check_decoder_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
+    """What tensor and pipeline parallelism need of the shared decoder (context parallelism it takes at any
+    degree the sequence splits into). A vocabulary of 0 is not known yet (the tokenizer's): checked once it is."""
     if tp > 1:
         for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
                            ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
