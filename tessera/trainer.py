@@ -12,7 +12,7 @@ from torch import nn
 
 from tessera import architecture, models
 from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
-from tessera.config import JobConfig
+from tessera.config import ConfigError, JobConfig
 from tessera.config.validate import check_vocab
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
@@ -56,6 +56,7 @@ class Trainer:
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
     loss_fn: Callable  # loss_fn below, compiled when compile.components holds "loss"
+    extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
     step: int = 0
@@ -75,6 +76,9 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
     spec = models.family(cfg.model.name).spec()
     with torch.device("meta"):
         model = spec.model(args)
+    if spec.extra_loss is not None and world.dims.pp > 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.name}'s auxiliary loss is not carried "
+                          f"through pipeline stages yet; use FSDP/TP/CP")
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)
@@ -163,7 +167,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, bad=bad)
     val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation", bad=bad) \
         if cfg.validation.enable else None
-    counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
+    fam = models.family(cfg.model.name)
+    counts = fam.counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
@@ -174,7 +179,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum,
-                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
+                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss, fam.spec().extra_loss,
                  post_optimizer_hook(model, cfg), bad)
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
