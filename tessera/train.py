@@ -54,7 +54,8 @@ def forward_backward(tr: Trainer, inputs: torch.Tensor, labels: torch.Tensor, tr
         if pipe is None:
             with tr.autocast:
                 # Micro-batches hold equal token counts, so the mean of means is the global mean.
-                loss = tr.loss_fn(tr.model(inputs), labels)
+                documents = None if tr.document_bos is None else (inputs == tr.document_bos).cumsum(1)
+                loss = tr.loss_fn(tr.model(inputs, documents=documents), labels)
                 if tr.extra_loss is not None:
                     loss = loss + tr.extra_loss(tr.model)
                 loss = loss / (tr.grad_accum if train else 1)

@@ -57,6 +57,7 @@ class Trainer:
     loss_parallel: bool
     loss_fn: Callable  # loss_fn below, compiled when compile.components holds "loss"
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
+    document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
     step: int = 0
@@ -180,6 +181,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum,
                  counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss, fam.spec().extra_loss,
+                 tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
                  post_optimizer_hook(model, cfg), bad)
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)

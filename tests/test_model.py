@@ -132,3 +132,19 @@ def test_attention_masks_and_sinks_equal_the_spelled_out_softmax(window, chunk, 
                                    atol=1e-5)
         # Decoding: the last 3 queries against all 10 keys see what they saw in the full pass.
         torch.testing.assert_close(sdpa(q[:, :, 7:], k, v), sdpa(q, k, v)[:, :, 7:], rtol=1e-5, atol=1e-5)
+
+
+def test_block_causal_attention_keeps_packed_documents_apart():
+    """Documents packed into one window, with their document numbers: each one's logits are those it has alone
+    (RoPE is relative, so its offset in the window does not matter), and differ from plain causal attention."""
+    model = _tiny()
+    gen = torch.Generator().manual_seed(3)
+    first, second = torch.randint(1, 97, (1, 12), generator=gen), torch.randint(1, 97, (1, 20), generator=gen)
+    first[0, 0] = second[0, 0] = 0  # each starts at BOS (id 0 here)
+    packed = torch.cat([first, second], dim=1)
+    documents = (packed == 0).cumsum(1)
+    with torch.no_grad():
+        logits = model(packed, documents=documents)
+        torch.testing.assert_close(logits[:, :12], model(first), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[:, 12:], model(second), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(model(packed)[:, 12:], model(second), atol=1e-3)

@@ -51,3 +51,25 @@ def test_tp_checkpoint_resumes_under_fsdp_and_the_reverse(tmp_path):
             assert abs(resumed["losses"][step] - original["losses"][step]) <= TOL
         for name, value in resumed["params"].items():
             torch.testing.assert_close(value, original["params"][name], rtol=TOL, atol=TOL)
+
+
+def test_block_causal_under_tp2_and_fsdp2_equals_one_process(tmp_path):
+    """Short documents packed several to a window: block-causal attention (each document attends only itself)
+    changes the losses, and TP 2 and FSDP 2 compute it as one process does."""
+    import json
+
+    docs = tmp_path / "short.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
+    data = ["--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
+            "block_causal"]
+    reference = run_grads([*data, "--training.local_batch_size", "8"], 4)
+    causal = run_grads([*data[:-1], "causal", "--training.local_batch_size", "8"], 4)
+    grads = reference["grads"]["layers.0.attention.wq.weight"], causal["grads"]["layers.0.attention.wq.weight"]
+    assert (grads[0] - grads[1]).abs().max() > 0.1 * grads[1].abs().max()  # the mask matters
+    cases = [[*data, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+             [*data, "--training.local_batch_size", "4"]]
+    for name, got in zip(["tp2", "fsdp2"], run_cases(2, tmp_path, cases, 4), strict=True):
+        try:
+            assert_matches(got, reference, TOL, what=("grads", "params"))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None

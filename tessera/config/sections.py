@@ -40,6 +40,9 @@ class Model:
     hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte "
                               "tokenizer")
     converters: list[str] = opt([], "module converters applied before parallelism, e.g. quantize.linear.float8")
+    attn_mask_type: str = opt("causal", "causal: a token attends every earlier one of its window; block_causal: "
+                              "only those of its own document (documents packed into a window start at BOS)",
+                              choices=("causal", "block_causal"))
 
 
 @dataclass

@@ -56,6 +56,9 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_layout(cfg, args, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
+    if m.attn_mask_type == "block_causal" and (dims.pp > 1 or dims.cp > 1):
+        raise ConfigError("model.attn_mask_type: block_causal needs each rank to see whole sequences' tokens, which "
+                          "pipeline stages after the first and context-parallel ranks do not yet; use causal there")
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
         raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
                           f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")

@@ -36,13 +36,17 @@ class CausalSDPA(nn.Module):
         self.window, self.chunk = window, chunk
         self.sinks = nn.Parameter(torch.empty(n_sinks)) if n_sinks else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
         n_q, n_k = q.shape[2], k.shape[2]
-        if self.sinks is not None:
-            return self._with_sinks(q, k, v, allowed(n_q, n_k, self.window, self.chunk, q.device))
-        if n_q == n_k and not self.window and not self.chunk:
+        if n_q == n_k and not (self.window or self.chunk or self.sinks is not None or documents is not None):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mask = allowed(n_q, n_k, self.window, self.chunk, q.device)
+        if documents is not None:  # [batch, 1 (heads), n_q, n_k]
+            mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
+        if self.sinks is not None:
+            return self._with_sinks(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -87,9 +91,10 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """rope: the table for all positions, [max_seq_len, 2, head_dim]; `cache`: earlier positions' keys
-        and values, which x's positions follow."""
+        and values, which x's positions follow; `documents`: see CausalSDPA."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -102,7 +107,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = self.sdpa(q, k, v)
+        out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -25,8 +25,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans see 2 inputs
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        # Keywords: TP plans prepare the 2 positional inputs.
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -49,8 +51,10 @@ class Decoder(nn.Module):
         self.rope = rope_table(positions.to(device), inv_freq(a.head_dim, a.rope_theta, a.rope_scaling),
                                attention_factor(a.rope_scaling))
 
-    def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
-        """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding.
+    def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding;
+        `documents` [batch, seq]: each token's document number, which attention does not cross.
 
         A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
         """
@@ -58,7 +62,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             # The whole table: attention slices it once it sees the whole sequence (under sequence
             # parallelism the residual stream between blocks holds only a slice of it).
-            h = layer(h, self.rope, cache=cache[i] if cache is not None else None)
+            h = layer(h, self.rope, cache=cache[i] if cache is not None else None, documents=documents)
         if self.norm is None:
             return h
         h = self.norm(h)
