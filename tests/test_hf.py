@@ -488,3 +488,57 @@ def test_trainer_refuses_a_model_that_is_not_the_hf_one(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and want in err[0], (case, err)
         assert not dump.exists()
+
+
+# --- the adapter contract beyond renames: a checkpoint that fuses q, k, v (as Phi-3 stores them) ---------------
+
+class _FusedQKV:
+    """Llama's names, except each layer's q, k and v are one `qkv_proj` tensor: a fresh tensor in to_hf (so
+    loading fills it and from_hf splits it back), not a view of ours."""
+
+    def __init__(self, args):
+        from tessera.models.llama3 import hf
+
+        self.llama, self.sizes = hf, [args.n_heads * args.head_dim] + [args.n_kv_heads * args.head_dim] * 2
+        self.hf_config, self.args_from_hf_config = hf.hf_config, hf.args_from_hf_config
+
+    def to_hf(self, state: dict) -> dict:
+        out = {k: v for k, v in self.llama.to_hf(state).items() if not k.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                     "v_proj.weight"))}
+        for layer in sorted({k.split(".")[1] for k in state if ".attention.w" in k}):
+            parts = [state.get(f"layers.{layer}.attention.w{x}.weight") for x in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = torch.cat(parts)
+        return out
+
+    def from_hf(self, state: dict) -> dict:
+        out = {}
+        for k, v in state.items():
+            if not k.endswith("self_attn.qkv_proj.weight"):
+                out.update(self.llama.from_hf({k: v}))
+                continue
+            layer = k.split(".")[2]
+            parts = v.split(self.sizes) if v is not None else (None,) * 3
+            out.update({f"layers.{layer}.attention.w{x}.weight": p for x, p in zip("qkv", parts, strict=True)})
+        return out
+
+
+def test_an_adapter_that_fuses_and_splits_tensors_round_trips(tmp_path, monkeypatch):
+    import safetensors
+
+    from tessera.models import family
+
+    args = _args()
+    fused = dataclasses.replace(family("llama3"), hf=_FusedQKV(args))
+    monkeypatch.setattr("tessera.models.family", lambda name: fused)
+    ours = _ours(args)
+    save_hf(ours, args, tmp_path)
+    with safetensors.safe_open(str(next(tmp_path.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+        assert "model.layers.1.self_attn.qkv_proj.weight" in names and not any("q_proj" in n for n in names)
+        torch.testing.assert_close(f.get_tensor("model.layers.1.self_attn.qkv_proj.weight")[64:96],
+                                   ours.state_dict()["layers.1.attention.wk.weight"], rtol=0, atol=0)
+    back = _ours(args, seed=None)
+    load_hf(back, tmp_path)
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], value, rtol=0, atol=0, msg=name)
