@@ -19,7 +19,7 @@ from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.optim import build_lr_scheduler, build_optimizer
-from tessera.parallel import cp, pp, pp_layout
+from tessera.parallel import cp, pp
 from tessera.parallel.compile import compile_loss
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
@@ -85,16 +85,12 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
         _materialize(model, world, cfg)
         return model.train(), None
     pp_mesh = world.mesh["pp"]
-    stage_ids, parts = pp.split(model, pp_mesh, cfg, spec.first_stage, spec.last_stage, spec.blocks)
+    stage_ids, parts, n_stages = pp.split(model, pp_mesh, cfg, spec.first_stage, spec.last_stage, spec.blocks)
     for part in parts:
         spec.parallelize(part, world, cfg)
         _materialize(part, world, cfg)
         part.train()
     p = cfg.parallelism
-    n_stages = pp_layout.num_stages(args.n_layers, world.dims.pp, p.pipeline_parallel_schedule,
-                                    p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
-                                    p.pipeline_parallel_first_stage_less_layers,
-                                    p.pipeline_parallel_last_stage_less_layers)
     # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
     share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,

@@ -65,3 +65,29 @@ def test_pp2_checkpoint_resumes_without_pp_and_under_fsdp(tmp_path):
             assert abs(resumed["losses"][step] - full["losses"][step]) <= TOL
         assert_matches({"losses": [], "params": resumed["params"]}, {"losses": [], "params": full["params"]}, TOL,
                        what=("params",))
+
+
+def test_a_model_with_two_block_stacks_is_cut_across_both():
+    """A family may name several block stacks (Flux: double, then single blocks): pipelining numbers their
+    blocks in forward order across stacks, each stage keeps its own, and the view has the whole model's names."""
+    import torch
+    from torch import nn
+
+    from tessera.parallel.pp import cut, parts_view
+
+    class TwoStacks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.doubles = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(2)})
+            self.singles = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(3)})
+
+    with torch.device("meta"):
+        model = TwoStacks()
+    stacks = ("doubles", "singles")
+    first = cut(model, [0, 1, 2], ("embed",), None, ("embed",), ("head",), stacks)
+    last = cut(model, [3, 4], None, ("head",), ("embed",), ("head",), stacks)
+    assert (list(first.doubles), list(first.singles), first.head) == (["0", "1"], ["0"], None)
+    assert (list(last.doubles), list(last.singles), last.embed) == ([], ["1", "2"], None)
+    view = parts_view([first, last], ("embed", "head"), stacks)
+    assert [n for n, _ in view.named_parameters()] == [n for n, _ in model.named_parameters()]

@@ -45,7 +45,8 @@ class ModelSpec:
     parallelize: Callable  # (model, world, cfg) -> model: the family's plan over tessera.parallel
     first_stage: tuple[str, ...]  # modules only the first pipeline stage holds
     last_stage: tuple[str, ...]  # ... only the last
-    blocks: str = "layers"  # the ModuleDict of blocks, keyed by int, that pipelining splits
+    blocks: tuple[str, ...] = ("layers",)  # the block stacks pipelining splits: ModuleDicts keyed by int, in forward
+    # order (a model with two stacks, Flux's double and single blocks, names both)
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
 
 

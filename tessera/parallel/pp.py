@@ -13,12 +13,23 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from tessera.parallel import pp_layout
 
 
+def _numbered(model: nn.Module, blocks: tuple[str, ...]) -> list[tuple[str, str, int]]:
+    """(stack, key, global number) of every block: the stacks' blocks in forward order, stack after stack."""
+    out = []
+    for stack in blocks:
+        out += [(stack, key, len(out) + i) for i, key in enumerate(getattr(model, stack))]
+    return out
+
+
 def cut(model: nn.Module, layer_ids: list[int], first: tuple[str, ...] | None, last: tuple[str, ...] | None,
-        drop_first: tuple[str, ...], drop_last: tuple[str, ...], blocks: str = "layers") -> nn.Module:
-    """A copy of `model` (on meta, so cheap) holding only the blocks `layer_ids` of its ModuleDict `blocks`,
-    and the first/last-stage modules when it is the first/last stage (`first`/`last` not None)."""
+        drop_first: tuple[str, ...], drop_last: tuple[str, ...], blocks: tuple[str, ...] = ("layers",)) -> nn.Module:
+    """A copy of `model` (on meta, so cheap) holding only the blocks numbered `layer_ids` of its block stacks
+    (ModuleDicts keyed by int, in forward order), and the first/last-stage modules when it is the first/last
+    stage (`first`/`last` not None)."""
     stage = copy.deepcopy(model)
-    setattr(stage, blocks, nn.ModuleDict({k: v for k, v in getattr(stage, blocks).items() if int(k) in layer_ids}))
+    keep = {(stack, key) for stack, key, n in _numbered(model, blocks) if n in layer_ids}
+    for stack in blocks:
+        setattr(stage, stack, nn.ModuleDict({k: v for k, v in getattr(stage, stack).items() if (stack, k) in keep}))
     for name in drop_first if first is None else ():
         setattr(stage, name, None)
     for name in drop_last if last is None else ():
@@ -27,10 +38,11 @@ def cut(model: nn.Module, layer_ids: list[int], first: tuple[str, ...] | None, l
 
 
 def split(model: nn.Module, pp_mesh: DeviceMesh, cfg, first_modules: tuple[str, ...],
-          last_modules: tuple[str, ...], blocks: str = "layers") -> tuple[list[int], list[nn.Module]]:
-    """The stage indices this rank runs and their modules (still on meta)."""
+          last_modules: tuple[str, ...],
+          blocks: tuple[str, ...] = ("layers",)) -> tuple[list[int], list[nn.Module], int]:
+    """The stage indices this rank runs, their modules (still on meta), and the number of stages."""
     p = cfg.parallelism
-    n_layers = len(getattr(model, blocks))
+    n_layers = len(_numbered(model, blocks))
     n_stages = pp_layout.num_stages(n_layers, p.pipeline_parallel_degree, p.pipeline_parallel_schedule,
                                     p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
                                     p.pipeline_parallel_first_stage_less_layers,
@@ -42,7 +54,7 @@ def split(model: nn.Module, pp_mesh: DeviceMesh, cfg, first_modules: tuple[str, 
                                 p.pipeline_parallel_schedule)
     parts = [cut(model, layout[i], first_modules if i == 0 else None, last_modules if i == n_stages - 1 else None,
                  first_modules, last_modules, blocks) for i in ids]
-    return ids, parts
+    return ids, parts, n_stages
 
 
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
@@ -63,13 +75,14 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
     return schedule, stages
 
 
-def parts_view(parts: list[nn.Module], names: tuple[str, ...], blocks: str = "layers") -> nn.Module:
+def parts_view(parts: list[nn.Module], names: tuple[str, ...], blocks: tuple[str, ...] = ("layers",)) -> nn.Module:
     """One module over this rank's stages with the whole model's parameter names, for optimizer and DCP."""
     view = nn.Module()
     for name in names:
         found = [getattr(p, name) for p in parts if getattr(p, name, None) is not None]
         if found:
             setattr(view, name, found[0])
-    layers = sorted(((k, v) for p in parts for k, v in getattr(p, blocks).items()), key=lambda kv: int(kv[0]))
-    setattr(view, blocks, nn.ModuleDict(layers))
+    for stack in blocks:
+        held = sorted(((k, v) for p in parts for k, v in getattr(p, stack).items()), key=lambda kv: int(kv[0]))
+        setattr(view, stack, nn.ModuleDict(held))
     return view
