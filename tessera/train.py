@@ -16,7 +16,6 @@ from tessera.config.validate import validate
 from tessera.distributed import World, init_world, shutdown, world_size_from_env
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
-from tessera.parallel.cp import shard_sequence
 from tessera.parallel.tp import local, loss_context
 from tessera.trainer import Trainer, build_trainer
 
@@ -35,15 +34,6 @@ def dp_mean(value: torch.Tensor, world: World) -> float:
         dist.all_reduce(value, group=world.flat["dp_cp"].get_group())
         value /= n
     return value.item()
-
-
-def next_batch(tr: Trainer, loader) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's inputs and labels on its device; under context parallelism its chunks of each sequence."""
-    inputs, labels = loader.next_batch()
-    if tr.world.dims.cp > 1:
-        cp_mesh = tr.world.mesh["cp"]
-        inputs, labels = (shard_sequence(x, cp_mesh.get_local_rank(), cp_mesh.size()) for x in (inputs, labels))
-    return inputs.to(tr.world.device, non_blocking=True), labels.to(tr.world.device, non_blocking=True)
 
 
 def forward_backward(tr: Trainer, inputs: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
@@ -84,7 +74,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     loss_total, data_s = torch.zeros((), device=tr.world.device), 0.0
     for _ in range(tr.grad_accum):
         start = time.perf_counter()
-        inputs, labels = next_batch(tr, tr.loader)
+        inputs, labels = tr.batch_fn(tr, tr.loader)
         data_s += time.perf_counter() - start
         loss_total += forward_backward(tr, inputs, labels)
     loss_total = pp_share(loss_total, tr)
@@ -114,7 +104,7 @@ def validate_loss(tr: Trainer) -> float:
     tr.val_loader.rewind()
     total = torch.zeros((), device=tr.world.device)
     for _ in range(tr.cfg.validation.steps):
-        inputs, labels = next_batch(tr, tr.val_loader)
+        inputs, labels = tr.batch_fn(tr, tr.val_loader)
         total += forward_backward(tr, inputs, labels, train=False)
     tr.model.train()
     return dp_mean(pp_share(total, tr) / tr.cfg.validation.steps, tr.world)

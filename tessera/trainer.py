@@ -55,7 +55,8 @@ class Trainer:
     peak_flops: float
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
-    loss_fn: Callable  # loss_fn below, compiled when compile.components holds "loss"
+    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss"
+    batch_fn: Callable  # (trainer, loader) -> this rank's (inputs, labels) on its device: the family's, or token_batch
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
     document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
@@ -64,6 +65,15 @@ class Trainer:
     tokens_seen: int = 0
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
+
+
+def token_batch(tr, loader) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and labels on its device; under context parallelism its chunks of each sequence."""
+    inputs, labels = loader.next_batch()
+    if tr.world.dims.cp > 1:
+        cp_mesh = tr.world.mesh["cp"]
+        inputs, labels = (cp.shard_sequence(x, cp_mesh.get_local_rank(), cp_mesh.size()) for x in (inputs, labels))
+    return inputs.to(tr.world.device, non_blocking=True), labels.to(tr.world.device, non_blocking=True)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,16 +122,17 @@ def uses_loss_parallel(cfg: JobConfig, world: World) -> bool:
     return world.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
 
 
-def training_loss(cfg: JobConfig, world: World) -> Callable:
-    """loss_fn, compiled when compile.components holds "loss", but not under loss parallel: compiled, the
-    cross-entropy of vocab-sharded logits came out TP times too large (torch 2.13), so it stays eager there."""
+def training_loss(cfg: JobConfig, world: World, base: Callable = loss_fn) -> Callable:
+    """`base` (the family's loss), compiled when compile.components holds "loss", but not under loss parallel:
+    compiled, the cross-entropy of vocab-sharded logits came out TP times too large (torch 2.13), so it stays
+    eager there."""
     if not (cfg.compile.enable and "loss" in cfg.compile.components):
-        return loss_fn
+        return base
     if uses_loss_parallel(cfg, world):
         log.info("compile: the loss stays eager under loss parallel (set parallelism.disable_loss_parallel to "
                  "compile it on gathered logits)")
-        return loss_fn
-    return compile_loss(loss_fn)
+        return base
+    return compile_loss(base)
 
 
 def set_determinism(cfg: JobConfig) -> None:
@@ -156,7 +167,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
     check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
-    loss = training_loss(cfg, world)
+    spec = models.family(cfg.model.name).spec()
+    loss = training_loss(cfg, world, spec.loss or loss_fn)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -164,8 +176,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, bad=bad)
     val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation", bad=bad) \
         if cfg.validation.enable else None
-    fam = models.family(cfg.model.name)
-    counts = fam.counts(args, t.seq_len)  # of the whole model, whatever this rank holds
+    counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
@@ -176,7 +187,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
                  build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum,
-                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss, fam.spec().extra_loss,
+                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
+                 spec.batch or token_batch, spec.extra_loss,
                  tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
                  post_optimizer_hook(model, cfg), bad)
     tr.checkpointer.load(tr, resume)

@@ -75,3 +75,33 @@ def test_a_familys_extra_loss_is_added_to_every_micro_batch(monkeypatch):
     grads = {k: with_aux["grads"][k] - plain["grads"][k] for k in plain["grads"]}
     torch.testing.assert_close(grads.pop("norm.weight"), torch.full((dim,), 0.02))
     assert all(g.abs().max() == 0 for g in grads.values())
+
+
+def test_a_familys_loss_and_batch_hooks_replace_the_defaults(monkeypatch):
+    """What a family with other data or another objective (Flux) plugs in: its batch and its loss."""
+    import dataclasses
+
+    import torch
+
+    from tessera.models import family
+    from tessera.models.contract import Family
+    from tessera.trainer import loss_fn, token_batch
+    from tests.dist_worker import run_grads
+
+    calls = []
+
+    def batch(tr, loader):
+        calls.append(loader is tr.loader)
+        return token_batch(tr, loader)
+
+    spec = dataclasses.replace(family("llama3").spec(), loss=lambda logits, labels: 2 * loss_fn(logits, labels),
+                               batch=batch)
+    argv = ["--training.local_batch_size", "4", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps",
+            "0", "--training.max_norm", "0"]
+    plain = run_grads(argv, 1)
+    monkeypatch.setattr(Family, "spec", lambda self: spec)
+    hooked = run_grads(argv, 1)
+    assert calls == [True, True]  # the trainer drew both micro-batches through the hook
+    assert abs(hooked["losses"][0] - 2 * plain["losses"][0]) < 1e-5
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(hooked["grads"][name], 2 * grad, rtol=1e-5, atol=1e-7)

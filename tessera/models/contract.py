@@ -48,6 +48,8 @@ class ModelSpec:
     blocks: tuple[str, ...] = ("layers",)  # the block stacks pipelining splits: ModuleDicts keyed by int, in forward
     # order (a model with two stacks, Flux's double and single blocks, names both)
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
+    loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
+    batch: Callable | None = None  # (trainer, loader) -> (inputs, labels) on device; None: token windows
 
 
 @dataclass(frozen=True)
