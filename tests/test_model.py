@@ -74,6 +74,7 @@ ROPES = {
     "yarn": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64},
     "yarn_mscale": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 32,
                     "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": False},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64},
 }
 
 
@@ -87,14 +88,17 @@ def test_rope_frequencies_equal_transformers(kind):
 
     rope = ROPES[kind]
     original = rope.get("original_max_position_embeddings", 64)
+    dynamic = kind == "dynamic"  # transformers keeps the original context there, and takes the length asked
     config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope),
-                                      max_position_embeddings=int(original * rope.get("factor", 1.0)))
+                                      max_position_embeddings=int(original * (1 if dynamic else rope.get("factor", 1))))
+    length = 200  # beyond every original context
     if kind == "default":
         theirs, scale = 1.0 / rope["rope_theta"] ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64), 1.0
     else:
-        theirs, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+        extra = {"seq_len": length} if dynamic else {}
+        theirs, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu", **extra)
     scaling = None if kind == "default" else rope
-    torch.testing.assert_close(inv_freq(64, rope["rope_theta"], scaling), theirs.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(inv_freq(64, rope["rope_theta"], scaling, length), theirs.double(), rtol=1e-6, atol=0)
     assert abs(attention_factor(scaling) - scale) < 1e-9
 
 

@@ -48,8 +48,8 @@ class Decoder(nn.Module):
         """The RoPE table; `positions`: the global position of each local token (context parallel), else 0..n-1."""
         positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
         a = self.args
-        self.rope = rope_table(positions.to(device), inv_freq(a.head_dim, a.rope_theta, a.rope_scaling),
-                               attention_factor(a.rope_scaling))
+        freqs = inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
+        self.rope = rope_table(positions.to(device), freqs, attention_factor(a.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,20 +1,26 @@
 """Rotary position embeddings in the Hugging Face layout (halves rotated, not interleaved pairs), with the
-frequency schedules the families use: plain, Llama 3.1's scaling, and YaRN. Tables are computed in float64."""
+frequency schedules the families use: plain, Llama 3.1's scaling, YaRN and dynamic NTK. Tables are computed in
+float64."""
 
 import math
 
 import torch
 
 
-def inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+def inv_freq(head_dim: int, theta: float, scaling: dict | None = None, length: int = 0) -> torch.Tensor:
     """Inverse frequencies. `scaling` (as transformers' rope_parameters): {"rope_type": "llama3", factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings} slows long wavelengths by `factor`
     with a smooth ramp between; {"rope_type": "yarn", factor, original_max_position_embeddings, beta_fast,
     beta_slow, truncate} interpolates the dimensions that rotate fewer than beta_slow times over the original
-    context, keeps those that rotate more than beta_fast, and ramps linearly between."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    context, keeps those that rotate more than beta_fast, and ramps linearly between; {"rope_type": "dynamic",
+    factor, original_max_position_embeddings} raises theta (NTK-aware) for a table of `length` positions beyond
+    the original context, as transformers does when a sequence is that long."""
     kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
+    if kind == "dynamic":
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        theta *= (factor * max(length, original) / original - (factor - 1)) ** (head_dim / (head_dim - 2))
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if kind in ("default", "dynamic"):
         return freqs
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
     if kind == "llama3":
