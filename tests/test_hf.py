@@ -425,13 +425,19 @@ if __name__ == "__main__":
 
 
 def _odd_hf_model(path: Path, seed: int = 3, **overrides):
-    """A transformers Llama no flavor matches (6/2 heads of 12, ffn 100), on the byte tokenizer's vocabulary."""
+    """A transformers Llama no flavor matches (6/2 heads of 12, ffn 100, attention biases), on the byte
+    tokenizer's vocabulary."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(**{**dict(hidden_size=72, num_hidden_layers=4, num_attention_heads=6,
                                                 num_key_value_heads=2, intermediate_size=100, vocab_size=258,
-                                                rms_norm_eps=1e-5, max_position_embeddings=64), **overrides})
+                                                rms_norm_eps=1e-5, max_position_embeddings=64,
+                                                attention_bias=True), **overrides})
     torch.manual_seed(seed)
     theirs = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     theirs.save_pretrained(path)
     return theirs
 
