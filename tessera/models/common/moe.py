@@ -1,0 +1,132 @@
+"""A token-choice mixture-of-experts layer, parallelism-free: router, stacked experts (grouped GEMMs, or a
+per-expert loop that is the test oracle and the fallback), shared experts, and the load statistics that
+balancing needs. Token order after routing is a stable sort by expert, so runs reproduce bit for bit."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.common.attention import FeedForward
+from tessera.models.common.moe_args import MoEArgs
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's backward refuses one
+    with zero strides (the gradient of a sum, say)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch._grouped_mm wants rows whose byte strides are multiples of 16, and a float dtype it supports."""
+    align = 16 // x.element_size()
+    return x.dtype in (torch.float32, torch.bfloat16) and all(d % align == 0 for w in weights for d in w.shape[1:])
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, grouped: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.grouped = grouped
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim]: tokens sorted by expert, `counts` [E] of them each -> [N, dim]."""
+        if self.grouped and _grouped_ok(x, self.w1, self.w2):
+            offsets = counts.cumsum(0).to(torch.int32)
+
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(a, w.transpose(-2, -1), offsets)
+
+            x = _ContiguousGrad.apply(x)
+            h = F.silu(mm(x, self.w1)) * mm(x, self.w3)
+            return _ContiguousGrad.apply(mm(h, self.w2))
+        out = []
+        for e, part in enumerate(x.split(counts.tolist())):
+            out.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
+        return torch.cat(out)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        """x [T, dim] -> (top-k weights [T, k], their experts [T, k], every expert's score [T, E]).
+        `bias` [E] shifts which experts are chosen, not the weights they get."""
+        a = self.args
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        choice = scores if bias is None else scores + bias
+        if a.n_groups > 1:  # keep the top_groups groups, ranked by the sum of their two best scores
+            grouped = choice.view(len(x), a.n_groups, -1)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).topk(a.top_groups, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1)
+        if a.force_balanced:
+            experts = torch.arange(len(x) * a.top_k, device=x.device).view(len(x), a.top_k) % a.n_experts
+        else:
+            experts = choice.topk(a.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if a.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, experts, scores
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared ones) for every token. After each forward, `tokens_per_expert` has grown by the
+    tokens each expert got (once per forward, not again when activation checkpointing recomputes it) and
+    `aux_loss` holds the sequence-wise balancing loss (0 without a coefficient)."""
+
+    def __init__(self, dim: int, args: MoEArgs, grouped: bool = True):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = Experts(args.n_experts, dim, args.hidden, grouped)
+        self.shared = FeedForward(dim, args.n_shared * args.hidden) if args.n_shared else None
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=args.load_balance_bias)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        k = self.args.top_k
+        weights, experts, scores = self.router(flat, self.expert_bias if self.args.load_balance_bias else None)
+        order = experts.view(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
+        counts = torch.bincount(experts.view(-1), minlength=self.args.n_experts)
+        tokens = flat[order // k]
+        w = weights.view(-1)[order, None].to(x.dtype)
+        out = self.experts(tokens * w if self.args.score_before_experts else tokens, counts)
+        if not self.args.score_before_experts:
+            out = out * w
+        out = out[order.argsort()].view(-1, k, dim).sum(1)  # back to token order, slots summed in a fixed order
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.args.aux_loss_coef:
+            self.aux_loss = self._sequence_aux_loss(scores.view(bsz, seq, -1), experts.view(bsz, seq, k))
+        return out.view(bsz, seq, dim)
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Per sequence: sum over experts of (its share of the routed slots x E) x (its mean normalized score),
+        averaged over sequences, times the coefficient (DeepSeek V3's complementary sequence-wise loss)."""
+        n = self.args.n_experts
+        share = torch.zeros(*experts.shape[:1], n, device=scores.device).scatter_add_(
+            1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=torch.float)) * n / experts[0].numel()
+        probs = (scores / scores.sum(-1, keepdim=True)).mean(1)
+        return self.args.aux_loss_coef * (share * probs).sum(-1).mean()

@@ -1,0 +1,20 @@
+"""Mixture-of-experts hyper-parameters a family's args carry (torch-free, so configs are checked before launch)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden: int = 256  # each routed expert's SwiGLU hidden size
+    n_shared: int = 0  # shared experts (one dense SwiGLU of n_shared x hidden, added for every token)
+    score_func: str = "softmax"  # router scores: softmax or sigmoid (computed in fp32)
+    route_norm: bool = True  # renormalize the top-k weights to sum to 1
+    route_scale: float = 1.0  # then scale them
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose within top_groups of them
+    top_groups: int = 1
+    score_before_experts: bool = False  # weight the expert's input, not its output (Llama 4)
+    load_balance_bias: bool = False  # aux-loss-free balancing: a per-expert bias used for selection only
+    aux_loss_coef: float = 0.0  # sequence-wise auxiliary load-balancing loss; 0 = none
+    force_balanced: bool = False  # debug: deal tokens to experts round-robin (benchmarks of a balanced load)
