@@ -201,7 +201,6 @@ def test_an_error_after_ranks_start_is_one_line_with_its_status(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-
 def _data_files(tmp: Path) -> dict[str, str]:
     (tmp / "empty.txt").write_text("")
     (tmp / "small.txt").write_text("one short document")

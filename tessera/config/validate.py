@@ -214,8 +214,6 @@ def _check_pp(cfg: JobConfig, args, pp: int) -> None:
         raise ConfigError(f"parallelism.pipeline_parallel_degree {pp}: {problem}")
 
 
-
-
 def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
     """Converters (Float8 / MX) and FSDP CPU offload. The exact GPU capability is checked at model build."""
     conv, f8, mx = cfg.model.converters, cfg.quantize.linear.float8, cfg.quantize.linear.mx

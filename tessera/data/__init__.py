@@ -6,11 +6,12 @@ The loader needs torch; it is imported lazily so tokenizers and sources stay usa
 from tessera.data.sources import documents
 from tessera.data.tokenizer import build_tokenizer
 
-__all__ = ["TokenLoader", "build_dataloader", "build_tokenizer", "documents"]
+__all__ = ["build_tokenizer", "documents"]  # and, imported on first use, TokenLoader and build_dataloader
+_LAZY = ("TokenLoader", "build_dataloader")
 
 
 def __getattr__(name: str):
-    if name in ("TokenLoader", "build_dataloader"):
+    if name in _LAZY:
         from tessera.data import loader
 
         return getattr(loader, name)

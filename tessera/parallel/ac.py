@@ -85,4 +85,3 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, option: str = "") -> None:
     for i, (name, block) in enumerate(blocks.items(), start=1):
         if i % every == 0:
             blocks[name] = _wrap(block)
-

@@ -83,4 +83,3 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) 
     for block in blocks.values():
         getattr(block, attention).sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(),
                                                                   cp_mesh.size())
-

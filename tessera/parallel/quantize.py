@@ -84,6 +84,7 @@ def apply_mx(model: nn.Module, cfg, device: torch.device, high_precision: tuple[
         config = dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED)
     fqns = [*high_precision, *(f for f in cfg.filter_fqns if f != AUTO_FILTER)]
     # MX scales blocks of 32 along K, and the kernels need N and K multiples of 32 too.
+
     def auto(m: nn.Module, _: str) -> bool:
         return m.in_features % 32 == 0 and m.out_features % 32 == 0
     quantize_(model, config, filter_fn=_linear_filter(fqns, auto))
