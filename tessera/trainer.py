@@ -179,7 +179,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
-             f"{counts.params:,} parameters, vocab {args.vocab_size}; {world.size} rank(s) on "
+             f"{counts.params:,} parameters{f' ({counts.active:,} active)' if counts.active != counts.params else ''}, "
+             f"vocab {args.vocab_size}; {world.size} rank(s) on "
              f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.

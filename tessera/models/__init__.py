@@ -6,7 +6,7 @@ import importlib
 import json
 import os
 
-FAMILIES = ("llama3", "qwen3")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 
 
 def family(name: str):
@@ -20,7 +20,7 @@ def family_of(args):
     """The family whose flavors are of `args`'s type."""
     for name in FAMILIES:
         fam = family(name)
-        if isinstance(args, type(next(iter(fam.flavors.values())))):
+        if type(args) is type(next(iter(fam.flavors.values()))):
             return fam
     raise KeyError(f"no model family has args of type {type(args).__name__}")
 

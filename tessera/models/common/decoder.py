@@ -3,7 +3,8 @@ a final norm and the output head (or the embedding matrix, tied).
 
 Its args are any dataclass with: dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size,
 norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None),
-and attention_bias (biases on q, k, v and o).
+attention_bias (biases on q, k, v and o), and moe (a MoEArgs: every block's FFN is a mixture of experts; None:
+SwiGLU).
 """
 
 import math
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.common.attention import Attention, FeedForward, KVCache
+from tessera.models.common.moe import MoE
 from tessera.models.common.rope import attention_factor, inv_freq, rope_table
 
 
@@ -23,7 +25,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm,
                                    args.norm_eps, args.attention_bias)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward = MoE(args.dim, args.moe) if args.moe else FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,6 +52,9 @@ class Decoder(nn.Module):
         a = self.args
         freqs = inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
         self.rope = rope_table(positions.to(device), freqs, attention_factor(a.rope_scaling))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:

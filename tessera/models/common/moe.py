@@ -100,6 +100,11 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.aux_loss = torch.zeros(())
 
+    def reset_buffers(self) -> None:
+        """Zero the balancing state (after materializing on a device, before any load)."""
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)

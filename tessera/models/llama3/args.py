@@ -24,7 +24,8 @@ class Llama3Args:
     ffn_hidden_override: int = 0  # 0: from ffn_dim_multiplier and multiple_of; HF configs give intermediate_size
     attention_bias: bool = False  # biases on q, k, v and o (HF configs may set them)
 
-    qk_norm = False  # not a field: Llama has no query/key norm
+    qk_norm = False  # not fields: Llama has no query/key norm, and dense FFNs
+    moe = None
 
     @property
     def rope_scaling(self) -> dict | None:

@@ -19,8 +19,9 @@ class Qwen3Args:
     tie_embeddings: bool = False
     rope_scaling: dict | None = None  # YaRN for long context, as transformers' rope_parameters; None = plain
 
-    qk_norm = True  # not fields: per-head RMSNorm of queries and keys before RoPE, and no biases
+    qk_norm = True  # not fields: per-head RMSNorm of queries and keys before RoPE, no biases, dense FFNs
     attention_bias = False
+    moe = None
 
     def arch(self) -> dict:
         """What the model computes with, to compare two args."""

@@ -1,0 +1,32 @@
+"""Qwen 3 MoE: Qwen 3's attention with a mixture of experts in every block (tessera.models.common.moe)."""
+
+from tessera.models.common.counts import check_decoder_layout, decoder_counts
+from tessera.models.contract import Counts, Family
+from tessera.models.qwen3_moe import hf
+from tessera.models.qwen3_moe.args import FLAVORS, TAKES_TOKENIZER_VOCAB
+
+
+def counts(args, seq_len: int) -> Counts:
+    """The shared decoder's counts with each block's SwiGLU swapped for a router and E experts (top_k active)."""
+    dense = decoder_counts(args, seq_len)  # counts one SwiGLU of ffn_hidden per block; replace it
+    swiglu, expert = 3 * args.dim * args.ffn_hidden, 3 * args.dim * args.moe_hidden
+    router = args.dim * args.n_experts
+    total = dense.params + args.n_layers * (router + args.n_experts * expert - swiglu)
+    active = dense.params + args.n_layers * (router + args.top_k * expert - swiglu)
+    flops = dense.flops_per_token + 6 * args.n_layers * (router + args.top_k * expert - swiglu)
+    return Counts(params=total, active=active, embedding=dense.embedding, flops_per_token=flops)
+
+
+def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
+    check_decoder_layout(args, tp, cp, pp, label)
+    for key, degree in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp),
+                        ("pipeline_parallel_degree", pp)):
+        if degree > 1:
+            raise ValueError(f"parallelism.{key}: {label} is a mixture of experts, which runs under FSDP only "
+                             f"until expert parallelism lands; use data_parallel_shard_degree")
+
+
+FAMILY = Family(name="qwen3_moe", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
+                counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
+                high_precision=("output", "router"), torch_side="tessera.models.qwen3_moe.spec:SPEC",
+                hf_model_type="qwen3_moe")

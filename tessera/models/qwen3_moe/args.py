@@ -1,0 +1,35 @@
+"""Qwen 3 MoE hyper-parameters (published configs): Qwen 3 dense args (the same model line, so its table's
+fields) plus the experts; every FFN is a mixture of experts."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from tessera.models.common.moe_args import MoEArgs
+from tessera.models.qwen3.args import Qwen3Args
+
+
+@dataclass
+class Qwen3MoeArgs(Qwen3Args):
+    n_experts: int = 128
+    top_k: int = 8
+    moe_hidden: int = 768  # each expert's SwiGLU hidden size
+    norm_topk_prob: bool = True  # renormalize the top-k router weights
+
+    @property
+    def moe(self) -> MoEArgs:
+        return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden,
+                       route_norm=self.norm_topk_prob)
+
+    def arch(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("max_seq_len", "ffn_hidden")}
+
+
+# name: dim, layers, heads, kv heads, head_dim, experts, top-k, expert hidden
+_TABLE = {
+    "debugmodel_moe": (64, 2, 4, 2, 16, 8, 2, 32),  # for tests and CPU runs
+    "30B-A3B": (2048, 48, 32, 4, 128, 128, 8, 768),
+    "235B-A22B": (4096, 94, 64, 4, 128, 128, 8, 1536),
+}
+FLAVORS = {name: Qwen3MoeArgs(dim=d, n_layers=n, n_heads=h, n_kv_heads=kv, head_dim=hd, n_experts=e, top_k=k,
+                              moe_hidden=mh) for name, (d, n, h, kv, hd, e, k, mh) in _TABLE.items()}
+TAKES_TOKENIZER_VOCAB = {"debugmodel_moe"}

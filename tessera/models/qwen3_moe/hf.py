@@ -1,0 +1,82 @@
+"""Hugging Face <-> Tessera for Qwen 3 MoE (`Qwen3MoeForCausalLM`): the hub's per-expert tensors are stacked here
+(`experts.w1[e]` is expert e's gate_proj); the rest are Qwen 3's names."""
+
+import re
+
+import torch
+
+from tessera.models.common.hf import (
+    DECODER_LAYER,
+    DECODER_TOP,
+    Renamer,
+    decoder_config,
+    heads,
+    positive_int,
+    refuse_unsupported,
+    rope_parameters,
+)
+from tessera.models.qwen3_moe.args import Qwen3MoeArgs
+
+_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_NAMES = Renamer("Qwen 3 MoE", {**{k: v for k, v in DECODER_LAYER.items() if not k.startswith("feed_forward")},
+                                "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+                                "feed_forward.router.gate": "mlp.gate"}, DECODER_TOP)
+_OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")
+
+
+def to_hf(state: dict) -> dict:
+    """Stacked experts become the hub's per-expert tensors, as views of ours (loading fills them in place)."""
+    out = {}
+    for name, value in state.items():
+        m = _OURS.fullmatch(name)
+        if m is None:
+            out.update(_NAMES.to_hf({name: value}))
+            continue
+        for e in range(value.shape[0]):
+            out[f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight"] = value[e]
+    return out
+
+
+def from_hf(state: dict) -> dict:
+    out, experts = {}, {}
+    back = {v: k for k, v in _PROJ.items()}
+    for name, value in state.items():
+        m = _THEIRS.fullmatch(name)
+        if m is None:
+            out.update(_NAMES.from_hf({name: value}))
+        else:
+            experts.setdefault(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", {})[int(m[2])] = value
+    for name, parts in experts.items():
+        values = [parts[e] for e in sorted(parts)]
+        out[name] = None if values[0] is None else torch.stack(values)
+    return out
+
+
+def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
+    """A `Qwen3MoeForCausalLM` config.json whose every layer is sparse; dense layers among them, sliding windows,
+    biases or a RoPE other than plain are refused."""
+    refuse_unsupported(config, "qwen3_moe", "qwen3_moe", {"hidden_act": "silu", "attention_bias": False,
+                                                          "use_sliding_window": False, "decoder_sparse_step": 1,
+                                                          "mlp_only_layers": []}, ("default",))
+    dim, n_heads, kv_heads, head_dim = heads({"head_dim": 128, **config})
+    experts = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 writes the latter
+    return Qwen3MoeArgs(dim=dim, n_layers=positive_int(config, "num_hidden_layers"), n_heads=n_heads,
+                        n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=positive_int(config, "vocab_size"),
+                        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                        rope_theta=float(rope_parameters({"rope_theta": 10000.0, **config})["rope_theta"]),
+                        max_seq_len=int(config.get("max_position_embeddings", 32768)),
+                        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                        n_experts=positive_int(config, experts),
+                        top_k=positive_int(config, "num_experts_per_tok"),
+                        moe_hidden=positive_int(config, "moe_intermediate_size"),
+                        norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+
+
+def hf_config(args: Qwen3MoeArgs, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers' Qwen3MoeForCausalLM."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {**decoder_config(args, "Qwen3MoeForCausalLM", "qwen3_moe", rope, args.max_seq_len, bos_id, eos_id),
+            "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
+            "norm_topk_prob": args.norm_topk_prob}
