@@ -1,32 +1,25 @@
 """Hugging Face <-> Tessera for Qwen 3 dense (`Qwen3ForCausalLM`): Llama's names plus the q/k norms."""
 
-from tessera.models.common.hf import (
-    DECODER_LAYER,
-    DECODER_TOP,
-    Renamer,
-    decoder_config,
-    heads,
-    positive_int,
-    refuse_unsupported,
-    rope_parameters,
-)
+from tessera.models.common import hf as shared
 from tessera.models.qwen3.args import Qwen3Args
 
-_NAMES = Renamer("Qwen 3", {**DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",
-                            "attention.k_norm": "self_attn.k_norm"}, DECODER_TOP)
+_NAMES = shared.Renamer("Qwen 3", {**shared.DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",
+                                   "attention.k_norm": "self_attn.k_norm"}, shared.DECODER_TOP)
 to_hf, from_hf = _NAMES.to_hf, _NAMES.from_hf
 
 
 def args_from_hf_config(config: dict) -> Qwen3Args:
     """The architecture a transformers `Qwen3ForCausalLM` config.json describes; sliding-window attention,
     biases, another activation or a RoPE other than plain and YaRN are refused."""
-    refuse_unsupported(config, "qwen3", "qwen3", {"hidden_act": "silu", "attention_bias": False,
+    shared.refuse_unsupported(config, "qwen3", "qwen3", {"hidden_act": "silu", "attention_bias": False,
                                                   "use_sliding_window": False}, ("default", "yarn"))
-    dim, n_heads, kv_heads, head_dim = heads({"head_dim": 128, **config})
-    rope = rope_parameters({"rope_theta": 10000.0, **config})
-    return Qwen3Args(dim=dim, n_layers=positive_int(config, "num_hidden_layers"), n_heads=n_heads,
-                     n_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=positive_int(config, "intermediate_size"),
-                     vocab_size=positive_int(config, "vocab_size"), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+    dim, n_heads, kv_heads, head_dim = shared.heads({"head_dim": 128, **config})
+    rope = shared.rope_parameters({"rope_theta": 10000.0, **config})
+    return Qwen3Args(dim=dim, n_layers=shared.positive_int(config, "num_hidden_layers"), n_heads=n_heads,
+                     n_kv_heads=kv_heads, head_dim=head_dim,
+                     ffn_hidden=shared.positive_int(config, "intermediate_size"),
+                     vocab_size=shared.positive_int(config, "vocab_size"),
+                     norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                      rope_theta=float(rope["rope_theta"]), rope_scaling=_yarn(rope),
                      max_seq_len=int(config.get("max_position_embeddings", 32768)),
                      tie_embeddings=bool(config.get("tie_word_embeddings", False)))
@@ -50,5 +43,5 @@ def hf_config(args: Qwen3Args, bos_id: int | None = None, eos_id: int | None = N
     max_pos = args.max_seq_len
     if args.rope_scaling:  # transformers reads YaRN's factor as this over the original context as well
         max_pos = int(args.rope_scaling["original_max_position_embeddings"] * args.rope_scaling["factor"])
-    return {**decoder_config(args, "Qwen3ForCausalLM", "qwen3", rope, max_pos, bos_id, eos_id),
+    return {**shared.decoder_config(args, "Qwen3ForCausalLM", "qwen3", rope, max_pos, bos_id, eos_id),
             "use_sliding_window": False}

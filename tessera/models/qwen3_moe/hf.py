@@ -5,22 +5,14 @@ import re
 
 import torch
 
-from tessera.models.common.hf import (
-    DECODER_LAYER,
-    DECODER_TOP,
-    Renamer,
-    decoder_config,
-    heads,
-    positive_int,
-    refuse_unsupported,
-    rope_parameters,
-)
+from tessera.models.common import hf as shared
 from tessera.models.qwen3_moe.args import Qwen3MoeArgs
 
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_NAMES = Renamer("Qwen 3 MoE", {**{k: v for k, v in DECODER_LAYER.items() if not k.startswith("feed_forward")},
-                                "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
-                                "feed_forward.router.gate": "mlp.gate"}, DECODER_TOP)
+_ATTENTION = {k: v for k, v in shared.DECODER_LAYER.items() if not k.startswith("feed_forward")}
+_NAMES = shared.Renamer("Qwen 3 MoE", {**_ATTENTION, "attention.q_norm": "self_attn.q_norm",
+                                       "attention.k_norm": "self_attn.k_norm", "feed_forward.router.gate": "mlp.gate"},
+                        shared.DECODER_TOP)
 _OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")
 
@@ -56,27 +48,27 @@ def from_hf(state: dict) -> dict:
 def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
     """A `Qwen3MoeForCausalLM` config.json whose every layer is sparse; dense layers among them, sliding windows,
     biases or a RoPE other than plain are refused."""
-    refuse_unsupported(config, "qwen3_moe", "qwen3_moe", {"hidden_act": "silu", "attention_bias": False,
+    shared.refuse_unsupported(config, "qwen3_moe", "qwen3_moe", {"hidden_act": "silu", "attention_bias": False,
                                                           "use_sliding_window": False, "decoder_sparse_step": 1,
                                                           "mlp_only_layers": []}, ("default",))
-    dim, n_heads, kv_heads, head_dim = heads({"head_dim": 128, **config})
+    dim, n_heads, kv_heads, head_dim = shared.heads({"head_dim": 128, **config})
     experts = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 writes the latter
-    return Qwen3MoeArgs(dim=dim, n_layers=positive_int(config, "num_hidden_layers"), n_heads=n_heads,
-                        n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=positive_int(config, "vocab_size"),
+    return Qwen3MoeArgs(dim=dim, n_layers=shared.positive_int(config, "num_hidden_layers"), n_heads=n_heads,
+                        n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=shared.positive_int(config, "vocab_size"),
                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                        rope_theta=float(rope_parameters({"rope_theta": 10000.0, **config})["rope_theta"]),
+                        rope_theta=float(shared.rope_parameters({"rope_theta": 10000.0, **config})["rope_theta"]),
                         max_seq_len=int(config.get("max_position_embeddings", 32768)),
                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                        n_experts=positive_int(config, experts),
-                        top_k=positive_int(config, "num_experts_per_tok"),
-                        moe_hidden=positive_int(config, "moe_intermediate_size"),
+                        n_experts=shared.positive_int(config, experts),
+                        top_k=shared.positive_int(config, "num_experts_per_tok"),
+                        moe_hidden=shared.positive_int(config, "moe_intermediate_size"),
                         norm_topk_prob=bool(config.get("norm_topk_prob", False)))
 
 
 def hf_config(args: Qwen3MoeArgs, bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    return {**decoder_config(args, "Qwen3MoeForCausalLM", "qwen3_moe", rope, args.max_seq_len, bos_id, eos_id),
+    return {**shared.decoder_config(args, "Qwen3MoeForCausalLM", "qwen3_moe", rope, args.max_seq_len, bos_id, eos_id),
             "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
             "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
             "norm_topk_prob": args.norm_topk_prob}
