@@ -29,7 +29,11 @@ def data_row(doc: dict, degree: int):
     return next((r["ratio"] for r in (doc or {}).get("results", []) if r["dp"] == degree), None)
 
 
-def rows(t: dict, f: dict, c: dict, d: dict) -> list[tuple]:
+def ep_row(doc: dict, ranks: int, key: str):
+    return next((r[key] for r in (doc or {}).get("ep", []) if r["ranks"] == ranks), None)
+
+
+def rows(t: dict, f: dict, c: dict, d: dict, m: dict) -> list[tuple]:
     """(what, value, format, target, check or None)."""
     def ac(mode: str, key: str):
         return get(f, f"ac.{mode}.{key}")
@@ -66,6 +70,10 @@ def rows(t: dict, f: dict, c: dict, d: dict) -> list[tuple]:
          lambda v: v < cp_row(c, 2, "memory_ratio")),
         ("data, DP 8: rank's loader time, 64 / 1 streams", data_row(d, 8), ".3f", "~1/8 (<= 0.25)",
          lambda v: v <= 0.25),
+        ("MoE layer: grouped GEMMs / per-expert loop", get(m, "layer.grouped_over_loop"), ".3f", ">= 1.0",
+         lambda v: v >= 1.0),
+        ("EP 2: all-to-all share of the step", ep_row(m, 2, "dispatch_share"), ".1%", "report", None),
+        ("EP 4: all-to-all share of the step", ep_row(m, 4, "dispatch_share"), ".1%", "report", None),
     ]
 
 
@@ -74,7 +82,8 @@ def main() -> None:
     p.add_argument("--results", default=str(RESULTS))
     a = p.parse_args()
     docs = [json.loads(path.read_text()) if path.exists() else {}
-            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json"))]
+            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json",
+                                                      "moe.json"))]
     table = []
     print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
     for what, value, fmt, target, check in rows(*docs):

@@ -23,7 +23,10 @@ class World:
     device: torch.device
     dims: ParallelDims
     mesh: DeviceMesh | None  # None for a single process
-    flat: dict[str, DeviceMesh] = field(default_factory=dict)  # flattened axes, e.g. "dp" = replicate x shard
+    # Flattened axes: "dp" (replicate x shard), "dp_shard_cp", "dp_cp"; for MoE layers "routing" (every rank
+    # of a stage that routes its own tokens: dp x cp x tp), "ep" (shard_in_ep x cp x tp), and for the FSDP
+    # of router and experts "moe_shard" (shard x cp x tp) and "expert_shard" (shard_mod_ep, not flattened).
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @property
     def dp_rank(self) -> int:
@@ -37,6 +40,16 @@ class World:
         if self.dims.dp_replicate > 1:  # HSDP; with shard x cp = 1 it is plain replication (DDP)
             return self.mesh["dp_replicate", "dp_shard_cp"]
         return self.flat["dp_shard_cp"]
+
+    def moe_mesh(self, experts: bool) -> DeviceMesh | None:
+        """Mesh FSDP shards a MoE layer's routed experts (`experts`) or its router and shared experts over,
+        when it is not dp_mesh(): TP ranks route different tokens (their sequence slices), so for these
+        parameters they are data parallel; EP ranks hold different experts, so for those they are not. (EP
+        takes in whole TP groups: then the 2D mesh FSDP forms with EP's keeps the root mesh's axis order.)"""
+        if self.mesh is None or (self.dims.tp == 1 and not (experts and self.dims.ep > 1)):
+            return None
+        shard = self.mesh["dp_shard_mod_ep"] if experts and self.dims.ep > 1 else self.flat["moe_shard"]
+        return _joined(self.mesh["dp_replicate"], shard) if self.dims.dp_replicate > 1 else shard
 
 
 def world_size_from_env() -> int:
@@ -60,14 +73,24 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    axes = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
-            ("cp", dims.cp), ("tp", dims.tp)]
+    # Under EP the shard axis splits in two: the ranks outside one EP group, and those inside it.
+    shard = [("dp_shard_mod_ep", dims.dp_shard // dims.shard_in_ep), ("dp_shard_in_ep", dims.shard_in_ep)] \
+        if dims.ep > 1 else [("dp_shard", dims.dp_shard)]
+    axes = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), *shard, ("cp", dims.cp), ("tp", dims.tp)]
     names, sizes = zip(*axes, strict=True)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
-    flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+    s = tuple(n for n, _ in shard)
+    groups = {"dp": ("dp_replicate", *s), "dp_shard_cp": (*s, "cp"), "dp_cp": ("dp_replicate", *s, "cp"),
+              "routing": ("dp_replicate", *s, "cp", "tp"), "moe_shard": (*s, "cp", "tp")}
+    if dims.ep > 1:
+        groups["ep"] = ("dp_shard_in_ep", "cp", "tp")
+    flat = {name: mesh[axes_]._flatten(name) for name, axes_ in groups.items()}
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
+
+
+def _joined(replicate: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:
+    """The 2D (replicate, shard) mesh HSDP takes."""
+    return DeviceMesh._concatenate([replicate, shard])
 
 
 def on_rank0(fn: Callable[[], T]) -> T:

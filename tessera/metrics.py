@@ -133,7 +133,7 @@ class MetricsLogger:
         log.info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {m['loss']:.4f}  "
                  f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  tps {m['tps']:,.0f}  "
                  f"tflops {m['tflops']:.3f}  mfu {m['mfu']:.1%}  mem {m['memory_gib']:.2f}GiB  "
-                 f"data {m['data_share']:.1%}  eta {_eta(eta)}")
+                 f"data {m['data_share']:.1%}{_moe(m)}  eta {_eta(eta)}")
 
     def close(self) -> None:
         for sink in (self.jsonl, self.tb):
@@ -153,3 +153,11 @@ def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, handlers=[_Stdout()], format="[tessera %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S", force=True)
+
+
+def _moe(m: dict) -> str:
+    """Expert load (max / mean tokens per expert, mean over layers) and the balancing loss, when there are."""
+    if "moe_imbalance" not in m:
+        return ""
+    aux = f"  aux {m['moe_aux_loss']:.4f}" if "moe_aux_loss" in m else ""
+    return f"  load {m['moe_imbalance']:.2f} (worst {m['moe_imbalance_worst']:.2f}){aux}"

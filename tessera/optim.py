@@ -57,16 +57,22 @@ def resume_lr(scheduler, state: dict) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Global L2 norm over every gradient, whatever its sharding; clips when max_norm > 0."""
+    """Global L2 norm over every gradient, whatever its sharding; clips when max_norm > 0. Gradients on
+    different meshes (dense and expert parameters) are normed per mesh, then their squares added."""
     params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(norm, DTensor):
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         # A norm of sharded grads is a partial result; full_tensor() reduces it over the mesh.
-        norm = norm.full_tensor()
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    norm = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:  # each stage holds other parameters: add the squares
-        norm = norm**2
         torch.distributed.all_reduce(norm, group=pp_group)
-        norm = norm.sqrt()
+    norm = norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)  # takes params, not grads
+        for group in by_mesh.values():  # one foreach op per mesh: DTensor ops do not mix meshes
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)  # takes params, not grads
     return norm

@@ -88,6 +88,8 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     tr.optimizer.step()
     if tr.after_optimizer_step is not None:
         tr.after_optimizer_step()
+    if tr.balancer is not None:
+        tr.balancer.after_step()
     tr.scheduler.step()
     return loss_total, grad_norm, data_s
 
@@ -137,6 +139,8 @@ def train(tr: Trainer) -> None:
                       "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
                       "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
                       "data_share": window_data_s / elapsed, "checkpoint_stall_s": stall}
+            if tr.balancer is not None:
+                record.update(tr.balancer.metrics(tr.world.device))
             tr.metrics.log(tr.step, record)
             tr.history.append({"step": tr.step, **record})
             window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import architecture, models
+from tessera import architecture, experts, models
 from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
 from tessera.config import ConfigError, JobConfig
 from tessera.config.validate import check_vocab
@@ -34,6 +34,7 @@ class Pipeline:
     first: bool  # this rank runs the first stage (feeds inputs)
     last: bool  # this rank runs the last stage (computes the loss)
     group: torch.distributed.ProcessGroup
+    parts: list[nn.Module]  # this rank's stages' modules
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Trainer:
     document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
+    balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
     step: int = 0
     tokens_seen: int = 0
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
@@ -100,13 +102,31 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
         spec.parallelize(part, world, cfg)
         _materialize(part, world, cfg)
         part.train()
-    p = cfg.parallelism
-    # Each micro-batch's share of the step's mean loss, so that gradients sum to the mean's gradient.
-    share = grad_accum * (cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
+    share = micro_batches(cfg, world, grad_accum)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
                                     lambda out, labels: loss(out, labels) / share)
     view = pp.parts_view(parts, spec.first_stage + spec.last_stage, spec.blocks)
-    return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group())
+    return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group(), parts)
+
+
+def micro_batches(cfg: JobConfig, world: World, grad_accum: int) -> int:
+    """Forward passes per optimizer step: each one's share of the step's mean loss is 1 / this, so that
+    gradients sum to the mean's gradient."""
+    per_pass = cfg.parallelism.pipeline_parallel_microbatch_size if world.dims.pp > 1 else cfg.training.local_batch_size
+    return grad_accum * (cfg.training.local_batch_size // per_pass)
+
+
+def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipeline: Pipeline | None,
+                   grad_accum: int) -> experts.Balancer | None:
+    if getattr(args, "moe", None) is None:
+        return None
+    layers, share = experts.moe_layers(model), micro_batches(cfg, world, grad_accum)
+    experts.configure(layers, cfg.moe, share)
+    for part in pipeline.parts if pipeline is not None else ():
+        experts.forget_shape_inference(part)
+    return experts.Balancer(layers, cfg.moe.load_balance_rate,
+                            world.flat["routing"].get_group() if world.mesh is not None else None,
+                            pipeline.group if pipeline is not None else None, share)
 
 
 def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
@@ -191,7 +211,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
                  spec.batch or token_batch, spec.extra_loss,
                  tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
-                 post_optimizer_hook(model, cfg), bad)
+                 post_optimizer_hook(model, cfg), bad, build_balancer(cfg, world, args, model, pipeline, grad_accum))
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tessera.config import parse_args
 from tessera.config.validate import validate
 from tessera.distributed import init_world, shutdown, world_size_from_env
+from tessera.parallel.init import bare_name
 from tessera.parallel.tp import local
 from tessera.train import dp_mean, train, train_step
 from tessera.trainer import build_trainer
@@ -34,8 +35,18 @@ def _trainer(argv: list[str], steps: int, dump: str):
 
 
 def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
-    """Full tensors of every parameter (or its .grad) of the whole model, gathered over pipeline stages."""
-    mine = {n: local(getattr(p, attr) if attr else p).detach().cpu().clone() for n, p in model.named_parameters()}
+    """Full tensors of every parameter (or its .grad) of the whole model, gathered over pipeline stages, by the
+    names of the bare model (activation checkpointing wraps blocks)."""
+    return _over_stages({bare_name(n): local(getattr(p, attr) if attr else p).detach().cpu().clone()
+                         for n, p in model.named_parameters()})
+
+
+def expert_biases(model) -> dict[str, torch.Tensor]:
+    return _over_stages({bare_name(n): b.detach().cpu().clone() for n, b in model.named_buffers()
+                         if n.endswith("expert_bias")})
+
+
+def _over_stages(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if not dist.is_initialized():
         return mine
     everyone = [None] * dist.get_world_size()
@@ -83,7 +94,7 @@ def run_train(argv: list[str], steps: int) -> dict:
         tr.metrics.close()
         return {"start": start, "losses": {h["step"]: h["loss"] for h in tr.history}, "samples": samples,
                 "lrs": {h["step"]: h["lr"] for h in tr.history}, "tokens_seen": tr.tokens_seen,
-                "params": full_params(tr.model)}
+                "params": full_params(tr.model), "biases": expert_biases(tr.model), "history": tr.history}
 
 
 def split_cases(argv: list[str]) -> list[list[str]]:

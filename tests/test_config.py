@@ -13,7 +13,7 @@ import pytest
 
 from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
 from tessera.config.manager import _flatten_toml, _leaves
-from tessera.config.validate import _NOT_YET, validate
+from tessera.config.validate import validate
 from tests.launch import ROOT, merge, torchrun
 
 CONFIGS = ROOT / "configs"
@@ -230,8 +230,8 @@ BAD = [
      ["training.dataset_path: nothing matches '{tmp}/none*.txt'"], True),
     ("unknown_flavor", ["--model.flavor", "9B"], 1, ["model.flavor: '9B' is not a llama3 flavor", "debugmodel"],
      True),
-    ("not_supported_yet", ["--parallelism.expert_parallel_degree", "2"], 2,
-     ["parallelism.expert_parallel_degree: not supported yet"], True),
+    ("ep_without_experts", ["--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"], 2,
+     ["parallelism.expert_parallel_degree: llama3 tiny has no experts; set it to 1"], True),
     ("positional", ["steps", "3"], 1, ["unexpected argument 'steps'"], True),
     ("missing_value", ["--training.steps"], 1, ["training.steps", "missing value"], True),
 ]
@@ -271,18 +271,6 @@ def test_bad_input_one_line_exit_2_no_dump(tmp_path, monkeypatch, capsys, case, 
         out, err_text = capsys.readouterr()
         assert out == "" and err_text == line + "\n"
         assert not dump.exists()
-
-
-# Every feature accepted by the config but not implemented yet is refused by name; drop its row when it lands.
-NOT_YET_TRIGGERS = {
-    "parallelism.expert_parallel_degree": ["--parallelism.expert_parallel_degree", "2"],
-}
-
-
-@pytest.mark.parametrize("key", NOT_YET_TRIGGERS)
-def test_not_yet_supported_is_refused_by_name(key):
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: not supported yet"):
-        validate(parse_args(["--model.flavor", "tiny", *NOT_YET_TRIGGERS[key]]), 2)
 
 
 def test_bad_config_under_torchrun_one_message_no_dump(tmp_path):
@@ -409,15 +397,16 @@ def test_8b_config_validates_at_world_size_8_with_tokenizer(tmp_path):
     assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == (8, 1, 1, 8)
 
 
-# Parallelisms each big config needs beyond FSDP. While one of them is still refused (listed in validate._NOT_YET)
-# the config must be refused at its world size naming it; once all have landed, the same test requires the config
-# to validate with exactly the degrees its TOML sets. Nothing to flip by hand when TP/PP land.
+# Parallelisms each big config needs beyond FSDP: it must validate at its world size with exactly the degrees its
+# TOML sets.
 BIG = {
     "llama3_70b.toml": (256, ("parallelism.tensor_parallel_degree",)),
     "llama3_405b.toml": (512, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")),
     "qwen3_0.6b.toml": (8, ()),
     "qwen3_8b.toml": (8, ()),
     "qwen3_32b.toml": (64, ("parallelism.tensor_parallel_degree",)),
+    "qwen3_30b_a3b.toml": (8, ("parallelism.expert_parallel_degree",)),
+    "qwen3_235b_a22b.toml": (128, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
 }
 
 
@@ -426,12 +415,10 @@ def test_big_configs_at_their_world_size(tmp_path, name):
     world, needs = BIG[name]
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = parse_args(["--job.config_file", str(CONFIGS / name), "--model.hf_assets_path", str(tmp_path)])
-    pending = [key for key in _NOT_YET if key in needs]
-    if pending:
-        with pytest.raises(ConfigError, match=rf"^{re.escape(pending[0])}: not supported yet"):
-            validate(cfg, world)
-        return
     p = cfg.parallelism
     dims = validate(cfg, world)
-    assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == \
-        (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world)
+    assert all(get(cfg, key) > 1 for key in needs)
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.ep, dims.world_size) == (p.data_parallel_shard_degree,
+                                                                          p.tensor_parallel_degree,
+                                                                          p.pipeline_parallel_degree,
+                                                                          p.expert_parallel_degree, world)

@@ -14,9 +14,11 @@ from tessera.models.common.moe_args import MoEArgs
 DIM = 16
 
 
-def _layer(grouped: bool = True, seed: int = 0, **kw) -> MoE:
+def _layer(grouped: bool = True, seed: int = 0, aux_loss_coef: float = 0.0, force_balanced: bool = False,
+           **kw) -> MoE:
     args = MoEArgs(**{"n_experts": 8, "top_k": 2, "hidden": 24, **kw})
     layer = MoE(DIM, args, grouped=grouped)
+    layer.aux_loss_coef, layer.router.force_balanced = aux_loss_coef, force_balanced
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -37,7 +39,7 @@ def _run(layer: MoE, x: torch.Tensor):
 @pytest.mark.parametrize("kw", [{}, {"n_shared": 1}, {"score_func": "sigmoid", "route_scale": 2.5},
                                 {"score_before_experts": True, "top_k": 1}])
 def test_grouped_experts_equal_the_loop(kw):
-    grouped, loop = _layer(True, load_balance_bias=True, **kw), _layer(False, load_balance_bias=True, **kw)
+    grouped, loop = _layer(True, **kw), _layer(False, **kw)
     for layer in (grouped, loop):  # the selection bias starves expert 3 and crowds expert 5
         layer.expert_bias[3], layer.expert_bias[5] = -100.0, 1.0
     a, b = _run(grouped, _x()), _run(loop, _x())
@@ -62,7 +64,7 @@ def test_routing_options():
     assert all(len(set((e // 2).tolist())) <= 2 for e in experts)  # within 2 of the 4 groups of 2 experts
     _, experts, _ = _layer(force_balanced=True).router(x[:28])
     assert torch.bincount(experts.view(-1), minlength=8).tolist() == [7] * 8
-    biased = _layer(load_balance_bias=True)
+    biased = _layer()
     biased.expert_bias[0] = 10.0  # chosen by every token, but its weight is still its own score
     weights, experts, scores = biased.router(x, biased.expert_bias)
     assert (experts == 0).any(-1).all()
@@ -84,9 +86,23 @@ def test_sequence_aux_loss_is_smallest_for_a_balanced_router():
     with torch.no_grad():
         balanced.router.gate.weight.zero_()  # uniform scores
         skewed.router.gate.weight[0] = 5.0
-    balanced(x), skewed(x)
-    assert balanced.aux_loss.item() == pytest.approx(0.1, rel=1e-5) and skewed.aux_loss > 1.2 * balanced.aux_loss
-    layer = _layer(aux_loss_coef=0.1)
-    layer(x.requires_grad_())
-    layer.aux_loss.backward()
-    assert layer.router.gate.weight.grad.abs().sum() > 0  # it trains the router
+    with torch.no_grad():
+        balanced(x), skewed(x)
+    assert balanced.aux_loss_sum.item() == pytest.approx(0.1, rel=1e-5)
+    assert skewed.aux_loss_sum > 1.2 * balanced.aux_loss_sum
+
+
+def test_the_aux_loss_gradient_is_that_of_adding_it_to_the_loss():
+    """Its backward starts at the layer's output (so it needs no path to the loss under pipelining), scaled by
+    the micro-batch's share: the same gradients as adding share x coef x aux to the loss."""
+    x = _x().detach()
+    attached, added = _layer(aux_loss_coef=0.1), _layer()
+    attached.aux_scale = 0.25
+    attached(x).square().mean().backward()
+    out = added(x)
+    weights, experts, scores = added.router(x.reshape(-1, DIM), added.expert_bias)
+    aux = added.sequence_aux_loss(scores.view(3, 10, -1), experts.view(3, 10, 2))
+    (out.square().mean() + 0.25 * 0.1 * aux).backward()
+    assert attached.router.gate.weight.grad.abs().sum() > 0
+    for (name, a), b in zip(attached.named_parameters(), added.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)

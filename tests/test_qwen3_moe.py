@@ -1,5 +1,5 @@
 """Qwen 3 MoE: counts against the published ones, logits, both HF directions and greedy generation against
-transformers for a tiny random config, and FSDP 2 equal to one process."""
+transformers for a tiny random config, FSDP 2 equal to one process, and load balancing that balances."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import torch
 from tessera.checkpoint.hf import load_hf, save_hf
 from tessera.generate import from_pretrained, generate
 from tessera.models import family, hf_args, num_params
-from tests.dist_worker import run_grads
+from tests.dist_worker import run_grads, run_train
 from tests.launch import assert_matches, run_cases
 
 MOE = family("qwen3_moe")
@@ -69,3 +69,17 @@ def test_fsdp2_equals_one_process(tmp_path):
     reference = run_grads([*moe, "--training.local_batch_size", "8"], 4)
     (got,) = run_cases(2, tmp_path, [[*moe, "--training.local_batch_size", "4"]], 4)
     assert_matches(got, reference, 1e-5, what=("grads", "params"))
+
+
+def test_load_balancing_evens_the_expert_load():
+    """100 steps of the debug model (8 x 128 tokens a step): the max / mean tokens per expert (mean over layers,
+    last 10 steps) ends well below where it ends with neither the bias update nor the aux loss (README table)."""
+    base = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--training.local_batch_size", "8",
+            "--training.seq_len", "128", "--moe.load_balance_rate"]
+    runs = {name: run_train([*base, *argv], 100)["history"]
+            for name, argv in (("off", ["0"]), ("bias", ["1e-2"]), ("aux", ["0", "--moe.aux_loss_coef", "0.01"]))}
+    end = {name: sum(h["moe_imbalance"] for h in history[-10:]) / 10 for name, history in runs.items()}
+    assert end["bias"] < 0.8 * end["off"] and end["aux"] < 0.8 * end["off"], end
+    assert "moe_aux_loss" in runs["aux"][-1] and "moe_aux_loss" not in runs["off"][-1]
+    # Summed over the 2 layers, each near its floor (coef x 1 when perfectly even).
+    assert runs["aux"][-1]["moe_aux_loss"] == pytest.approx(2 * 0.01, rel=0.2)

@@ -119,12 +119,26 @@ class Parallelism:
     context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
     context_parallel_rotate_method: str = opt("allgather", "how attention sees other ranks' keys and values",
                                               choices=("allgather",))
-    expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models)", min=1)
+    expert_parallel_degree: int = opt(1, "MoE models: ranks that split each layer's routed experts, taken from the "
+                                      "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
+                                      "of CP x TP dividing that, and the experts); tokens travel to their experts' "
+                                      "rank and back (all-to-all)", min=1)
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the "
                                           "root",
                                           choices=("default", "always", "never"))
     disable_loss_parallel: bool = opt(False, "gather vocab-sharded logits before the loss under TP")
     enable_async_tensor_parallel: bool = opt(False, "overlap TP collectives with compute (CUDA + compile)")
+
+
+@dataclass
+class MoE:
+    load_balance_rate: float = opt(1e-3, "aux-loss-free balancing: after each optimizer step every expert's "
+                                   "selection bias moves this much toward an even load (the sign of its deviation "
+                                   "from the mean, tokens counted over all ranks); 0 = off", min=0.0)
+    aux_loss_coef: float = opt(0.0, "weight of the sequence-wise balancing loss (DeepSeek V3's); 0 = none", min=0.0)
+    grouped_mm: bool = opt(True, "run the experts as grouped GEMMs (torch._grouped_mm) where shapes allow; false = "
+                           "one matmul per expert")
+    force_balanced: bool = opt(False, "debug: deal tokens to experts round-robin, for benchmarks of an even load")
 
 
 @dataclass
@@ -220,6 +234,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

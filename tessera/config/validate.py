@@ -19,17 +19,9 @@ from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
-# Accepted by the config so shipped configs can name them, refused until implemented.
-_NOT_YET = {
-    "parallelism.expert_parallel_degree": lambda c: c.parallelism.expert_parallel_degree > 1,
-}
-
 
 def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Check everything that can be checked without torch; returns the resolved parallel degrees."""
-    for key, enabled in _NOT_YET.items():
-        if enabled(cfg):
-            raise ConfigError(f"{key}: not supported yet in this version of Tessera; remove it or use the default")
     m, t = cfg.model, cfg.training
     if m.name not in FAMILIES:
         raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
@@ -45,6 +37,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
     _check_data(cfg)
+    _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
     except ValueError as e:
@@ -161,9 +154,21 @@ def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
         fam.check_layout(args, dims.tp, dims.cp, dims.pp, f"{cfg.model.name} {cfg.model.flavor or 'model'}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    moe = getattr(args, "moe", None)
+    if moe is not None and cfg.moe.aux_loss_coef and (dims.tp > 1 or dims.cp > 1):
+        raise ConfigError("moe.aux_loss_coef: the sequence-wise balancing loss needs each rank to hold whole "
+                          "sequences, which TP and CP ranks do not; use moe.load_balance_rate (aux-loss-free) there")
     if dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
                           "(it is an inductor pass over NCCL symmetric memory); turn it off here")
+
+
+def _check_experts(cfg: JobConfig, args) -> None:
+    moe, ep = getattr(args, "moe", None), cfg.parallelism.expert_parallel_degree
+    if ep > 1 and (moe is None or moe.n_experts % ep):
+        why = "has no experts" if moe is None else f"has {moe.n_experts} experts per layer, which EP must divide"
+        raise ConfigError(f"parallelism.expert_parallel_degree: {cfg.model.name} {cfg.model.flavor or 'model'} "
+                          f"{why}; set it to 1{'' if moe is None else ' or a divisor'}")
 
 
 def check_vocab(cfg: JobConfig, vocab_size: int, tokenizer_vocab: int, tp: int) -> None:

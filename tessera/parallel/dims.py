@@ -34,13 +34,23 @@ class ParallelDims:
                 f"shard {shard} x cp {p.context_parallel_degree} x tp {p.tensor_parallel_degree} x pp "
                 f"{p.pipeline_parallel_degree}) but the world size is {world_size}; set "
                 f"data_parallel_shard_degree = -1 to use all remaining ranks")
-        return cls(p.data_parallel_replicate_degree, shard, p.context_parallel_degree, p.tensor_parallel_degree,
-                   p.pipeline_parallel_degree, p.expert_parallel_degree, world_size)
+        ep, cp, tp = p.expert_parallel_degree, p.context_parallel_degree, p.tensor_parallel_degree
+        if ep > 1 and (ep % (cp * tp) or (shard * cp * tp) % ep):
+            raise ValueError(f"parallelism.expert_parallel_degree: {ep} must be a multiple of context_parallel x "
+                             f"tensor_parallel degrees ({cp} x {tp}) and divide data_parallel_shard x context x "
+                             f"tensor degrees ({shard} x {cp} x {tp}): the ranks that route their own tokens, which "
+                             f"experts are split over; pick such a degree")
+        return cls(p.data_parallel_replicate_degree, shard, cp, tp, p.pipeline_parallel_degree, ep, world_size)
 
     @property
     def dp(self) -> int:
         """Ranks that see different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_in_ep(self) -> int:
+        """Data-parallel shard ranks inside one EP group (with all its context- and tensor-parallel ranks)."""
+        return self.ep // (self.cp * self.tp)
 
     @property
     def fsdp(self) -> bool:

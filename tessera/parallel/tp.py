@@ -34,6 +34,12 @@ def block_plan(attention: str, attn_in: tuple[str, ...], attn_out: str, ffn: str
     return plan
 
 
+def local_tokens(module: str) -> dict:
+    """A module that runs on each rank's own sequence slice (a MoE layer: tokens are routed one by one)."""
+    return {module: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                       use_local_output=True)}
+
+
 def root_plan(embedding: str, norm: str, output: str, loss_parallel: bool) -> dict:
     """Vocab-sharded embedding and output; with loss parallel the logits stay sharded over the vocab."""
     return {

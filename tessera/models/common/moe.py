@@ -5,6 +5,7 @@ balancing needs. Token order after routing is a stable sort by expert, so runs r
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.common.attention import FeedForward
 from tessera.models.common.moe_args import MoEArgs
@@ -21,6 +22,25 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer's output whose backward also starts the (scaled) auxiliary loss's backward: the
+    loss trains the router from whichever pipeline stage holds the layer, without travelling to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_ones(ctx.aux_shape)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """Expert parallelism holds the stacks as DTensors split over experts; the math runs on this rank's."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -41,18 +61,19 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim]: tokens sorted by expert, `counts` [E] of them each -> [N, dim]."""
-        if self.grouped and _grouped_ok(x, self.w1, self.w2):
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.grouped and _grouped_ok(x, w1, w2):
             offsets = counts.cumsum(0).to(torch.int32)
 
             def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(a, w.transpose(-2, -1), offsets)
 
             x = _ContiguousGrad.apply(x)
-            h = F.silu(mm(x, self.w1)) * mm(x, self.w3)
-            return _ContiguousGrad.apply(mm(h, self.w2))
+            h = F.silu(mm(x, w1)) * mm(x, w3)
+            return _ContiguousGrad.apply(mm(h, w2))
         out = []
         for e, part in enumerate(x.split(counts.tolist())):
-            out.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
+            out.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
         return torch.cat(out)
 
 
@@ -61,6 +82,7 @@ class Router(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.force_balanced = False  # debug: deal tokens to experts round-robin (benchmarks of an even load)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
@@ -75,7 +97,7 @@ class Router(nn.Module):
             best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).topk(a.top_groups, dim=-1).indices
             keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1)
-        if a.force_balanced:
+        if self.force_balanced:
             experts = torch.arange(len(x) * a.top_k, device=x.device).view(len(x), a.top_k) % a.n_experts
         else:
             experts = choice.topk(a.top_k, dim=-1).indices
@@ -87,8 +109,12 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (+ shared ones) for every token. After each forward, `tokens_per_expert` has grown by the
-    tokens each expert got (once per forward, not again when activation checkpointing recomputes it) and
-    `aux_loss` holds the sequence-wise balancing loss (0 without a coefficient)."""
+    tokens each expert got (once per forward, not again when activation checkpointing recomputes it).
+
+    `expert_bias` (aux-loss-free balancing) shifts which experts are chosen, never their weights; it is state
+    that training updates, kept in checkpoints. With `aux_loss_coef` the sequence-wise balancing loss, times
+    `aux_scale` (a micro-batch's share of the step), gets its gradient in backward, and `aux_loss_sum` adds up
+    its values."""
 
     def __init__(self, dim: int, args: MoEArgs, grouped: bool = True):
         super().__init__()
@@ -96,20 +122,22 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = Experts(args.n_experts, dim, args.hidden, grouped)
         self.shared = FeedForward(dim, args.n_shared * args.hidden) if args.n_shared else None
-        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=args.load_balance_bias)
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
-        self.aux_loss = torch.zeros(())
+        self.aux_loss_coef, self.aux_scale = 0.0, 1.0
+        self.aux_loss_sum = torch.zeros(())
 
     def reset_buffers(self) -> None:
         """Zero the balancing state (after materializing on a device, before any load)."""
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        self.aux_loss_sum = torch.zeros((), device=self.expert_bias.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         k = self.args.top_k
-        weights, experts, scores = self.router(flat, self.expert_bias if self.args.load_balance_bias else None)
+        weights, experts, scores = self.router(flat, self.expert_bias)
         order = experts.view(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(experts.view(-1), minlength=self.args.n_experts)
         tokens = flat[order // k]
@@ -120,18 +148,23 @@ class MoE(nn.Module):
         out = out[order.argsort()].view(-1, k, dim).sum(1)  # back to token order, slots summed in a fixed order
         if self.shared is not None:
             out = out + self.shared(flat)
-        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+        first_run = torch._C._current_graph_task_id() == -1  # not a recompute inside backward
+        if first_run:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        if self.args.aux_loss_coef:
-            self.aux_loss = self._sequence_aux_loss(scores.view(bsz, seq, -1), experts.view(bsz, seq, k))
+        if self.aux_loss_coef:
+            aux = self.aux_loss_coef * self.sequence_aux_loss(scores.view(bsz, seq, -1), experts.view(bsz, seq, k))
+            if first_run:
+                self.aux_loss_sum = self.aux_loss_sum + aux.detach()
+            if torch.is_grad_enabled():
+                out = _AuxLossGrad.apply(out, aux * self.aux_scale)
         return out.view(bsz, seq, dim)
 
-    def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Per sequence: sum over experts of (its share of the routed slots x E) x (its mean normalized score),
-        averaged over sequences, times the coefficient (DeepSeek V3's complementary sequence-wise loss)."""
+        averaged over sequences (DeepSeek V3's complementary sequence-wise loss; 1 when perfectly even)."""
         n = self.args.n_experts
         share = torch.zeros(*experts.shape[:1], n, device=scores.device).scatter_add_(
             1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=torch.float)) * n / experts[0].numel()
         probs = (scores / scores.sum(-1, keepdim=True)).mean(1)
-        return self.args.aux_loss_coef * (share * probs).sum(-1).mean()
+        return (share * probs).sum(-1).mean()

@@ -1,4 +1,5 @@
-"""Mixture-of-experts hyper-parameters a family's args carry (torch-free, so configs are checked before launch)."""
+"""Mixture-of-experts hyper-parameters a family's args carry (torch-free, so configs are checked before launch).
+How a run balances and computes them (training settings, not architecture) is the `moe` config section."""
 
 from dataclasses import dataclass
 
@@ -15,6 +16,3 @@ class MoEArgs:
     n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose within top_groups of them
     top_groups: int = 1
     score_before_experts: bool = False  # weight the expert's input, not its output (Llama 4)
-    load_balance_bias: bool = False  # aux-loss-free balancing: a per-expert bias used for selection only
-    aux_loss_coef: float = 0.0  # sequence-wise auxiliary load-balancing loss; 0 = none
-    force_balanced: bool = False  # debug: deal tokens to experts round-robin (benchmarks of a balanced load)

@@ -17,16 +17,7 @@ def counts(args, seq_len: int) -> Counts:
     return Counts(params=total, active=active, embedding=dense.embedding, flops_per_token=flops)
 
 
-def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
-    check_decoder_layout(args, tp, cp, pp, label)
-    for key, degree in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp),
-                        ("pipeline_parallel_degree", pp)):
-        if degree > 1:
-            raise ValueError(f"parallelism.{key}: {label} is a mixture of experts, which runs under FSDP only "
-                             f"until expert parallelism lands; use data_parallel_shard_degree")
-
-
 FAMILY = Family(name="qwen3_moe", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
-                counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
+                counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.qwen3_moe.spec:SPEC",
                 hf_model_type="qwen3_moe")

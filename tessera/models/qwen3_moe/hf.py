@@ -18,9 +18,13 @@ _THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|dow
 
 
 def to_hf(state: dict) -> dict:
-    """Stacked experts become the hub's per-expert tensors, as views of ours (loading fills them in place)."""
+    """Stacked experts become the hub's per-expert tensors, as views of ours (loading fills them in place).
+    The selection bias of aux-loss-free balancing has no place in HF's format: it is left out (it is 0 unless
+    moe.load_balance_rate trained it; transformers then routes without it)."""
     out = {}
     for name, value in state.items():
+        if name.endswith("feed_forward.expert_bias"):
+            continue
         m = _OURS.fullmatch(name)
         if m is None:
             out.update(_NAMES.to_hf({name: value}))
