@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleDict) -> None:
+def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
+    """`fullgraph=False` for blocks with data-dependent shapes and hooks inside (MoE: token counts per expert,
+    the experts' own FSDP and EP hooks): dynamo breaks the graph around those instead of refusing."""
     for block in blocks.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)
 
 
 def compile_loss(loss_fn: Callable) -> Callable:

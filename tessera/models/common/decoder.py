@@ -3,8 +3,8 @@ a final norm and the output head (or the embedding matrix, tied).
 
 Its args are any dataclass with: dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size,
 norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None),
-attention_bias (biases on q, k, v and o), and moe (a MoEArgs: every block's FFN is a mixture of experts; None:
-SwiGLU).
+attention_bias (biases on q, k, v and o), and moe (a MoEArgs: every block's FFN after the first
+`moe.first_k_dense` is a mixture of experts; None: SwiGLU).
 """
 
 import math
@@ -19,13 +19,14 @@ from tessera.models.common.rope import attention_factor, inv_freq, rope_table
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args):
+    def __init__(self, args, layer_id: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm,
                                    args.norm_eps, args.attention_bias)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = MoE(args.dim, args.moe) if args.moe else FeedForward(args.dim, args.ffn_hidden)
+        sparse = args.moe is not None and layer_id >= args.moe.first_k_dense
+        self.feed_forward = MoE(args.dim, args.moe) if sparse else FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +41,7 @@ class Decoder(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed by layer id keeps parameter names stable when a pipeline stage drops layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Tied: the embedding matrix is used directly, since module-level sharing does not survive to_empty().
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)

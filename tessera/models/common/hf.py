@@ -87,3 +87,38 @@ def decoder_config(args, architecture: str, model_type: str, rope: dict, max_pos
             "rope_parameters": rope, "max_position_embeddings": max_pos, "tie_word_embeddings": args.tie_embeddings,
             "bos_token_id": bos_id, "eos_token_id": eos_id, "hidden_act": "silu", "attention_bias": args.attention_bias,
             "torch_dtype": "float32"}
+
+
+_IN_PLACE = "_tessera_shard_view"  # marks a view of a sharded stack's local experts (filled in place on load)
+
+
+def experts_of(stack) -> list[tuple[int, object]]:
+    """(global expert index, its tensor) of every expert this rank holds of a stacked [E, ...] tensor, as views
+    of it: all of a plain one; of a DTensor the local ones (FSDP and EP split the expert dimension only, so a
+    rank holds whole experts), marked so that `stack_experts` knows loading filled them in place."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(stack, DTensor):
+        return list(enumerate(stack))
+    if any(not isinstance(p, Replicate) and not (isinstance(p, (Shard, _StridedShard)) and p.dim == 0)
+           for p in stack.placements):
+        raise ValueError(f"experts sharded as {stack.placements}: only the expert dimension may be")
+    _, offset = compute_local_shape_and_global_offset(stack.shape, stack.device_mesh, stack.placements)
+    out = []
+    for i, view in enumerate(stack.to_local()):
+        setattr(view, _IN_PLACE, True)
+        out.append((offset[0] + i, view))
+    return out
+
+
+def stack_experts(parts: dict[int, object]):
+    """The [E, ...] stack of {expert index: tensor}; None for a sharded stack's local views (already in place,
+    nothing to set) or for names only (no tensors)."""
+    import torch
+
+    values = [parts[e] for e in sorted(parts)]
+    if values[0] is None or getattr(values[0], _IN_PLACE, False):
+        return None
+    return torch.stack(values)

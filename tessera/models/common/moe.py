@@ -44,9 +44,11 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch._grouped_mm wants rows whose byte strides are multiples of 16, and a float dtype it supports."""
+    """torch._grouped_mm wants rows whose byte strides are multiples of 16, and a float dtype it supports; traced
+    by torch.compile, bf16 only (torch 2.13's shape function refuses fp32, which eager CPU runs)."""
     align = 16 // x.element_size()
-    return x.dtype in (torch.float32, torch.bfloat16) and all(d % align == 0 for w in weights for d in w.shape[1:])
+    dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else (torch.float32, torch.bfloat16)
+    return x.dtype in dtypes and all(d % align == 0 for w in weights for d in w.shape[1:])
 
 
 class Experts(nn.Module):

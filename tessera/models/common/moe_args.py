@@ -16,3 +16,4 @@ class MoEArgs:
     n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose within top_groups of them
     top_groups: int = 1
     score_before_experts: bool = False  # weight the expert's input, not its output (Llama 4)
+    first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (the decoder's ffn_hidden) instead

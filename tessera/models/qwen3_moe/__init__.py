@@ -7,13 +7,14 @@ from tessera.models.qwen3_moe.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 
 
 def counts(args, seq_len: int) -> Counts:
-    """The shared decoder's counts with each block's SwiGLU swapped for a router and E experts (top_k active)."""
-    dense = decoder_counts(args, seq_len)  # counts one SwiGLU of ffn_hidden per block; replace it
+    """The shared decoder's counts (one SwiGLU of ffn_hidden per block) with the blocks after the first
+    first_k_dense swapping theirs for a router and E experts (top_k active)."""
+    dense = decoder_counts(args, seq_len)
     swiglu, expert = 3 * args.dim * args.ffn_hidden, 3 * args.dim * args.moe_hidden
-    router = args.dim * args.n_experts
-    total = dense.params + args.n_layers * (router + args.n_experts * expert - swiglu)
-    active = dense.params + args.n_layers * (router + args.top_k * expert - swiglu)
-    flops = dense.flops_per_token + 6 * args.n_layers * (router + args.top_k * expert - swiglu)
+    router, sparse = args.dim * args.n_experts, args.n_layers - args.first_k_dense
+    total = dense.params + sparse * (router + args.n_experts * expert - swiglu)
+    active = dense.params + sparse * (router + args.top_k * expert - swiglu)
+    flops = dense.flops_per_token + 6 * sparse * (router + args.top_k * expert - swiglu)
     return Counts(params=total, active=active, embedding=dense.embedding, flops_per_token=flops)
 
 

@@ -3,14 +3,11 @@
 
 import re
 
-import torch
-
 from tessera.models.common import hf as shared
 from tessera.models.qwen3_moe.args import Qwen3MoeArgs
 
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_ATTENTION = {k: v for k, v in shared.DECODER_LAYER.items() if not k.startswith("feed_forward")}
-_NAMES = shared.Renamer("Qwen 3 MoE", {**_ATTENTION, "attention.q_norm": "self_attn.q_norm",
+_NAMES = shared.Renamer("Qwen 3 MoE", {**shared.DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",
                                        "attention.k_norm": "self_attn.k_norm", "feed_forward.router.gate": "mlp.gate"},
                         shared.DECODER_TOP)
 _OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
@@ -29,8 +26,8 @@ def to_hf(state: dict) -> dict:
         if m is None:
             out.update(_NAMES.to_hf({name: value}))
             continue
-        for e in range(value.shape[0]):
-            out[f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight"] = value[e]
+        for e, expert in shared.experts_of(value):
+            out[f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight"] = expert
     return out
 
 
@@ -44,17 +41,22 @@ def from_hf(state: dict) -> dict:
         else:
             experts.setdefault(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", {})[int(m[2])] = value
     for name, parts in experts.items():
-        values = [parts[e] for e in sorted(parts)]
-        out[name] = None if values[0] is None else torch.stack(values)
+        stack = shared.stack_experts(parts)
+        if stack is not None or next(iter(parts.values())) is None:
+            out[name] = stack
     return out
 
 
 def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
-    """A `Qwen3MoeForCausalLM` config.json whose every layer is sparse; dense layers among them, sliding windows,
-    biases or a RoPE other than plain are refused."""
+    """A `Qwen3MoeForCausalLM` config.json whose layers are sparse but for a first few (`mlp_only_layers`
+    0..k-1); other dense layers, sliding windows, biases or a RoPE other than plain are refused."""
     shared.refuse_unsupported(config, "qwen3_moe", "qwen3_moe", {"hidden_act": "silu", "attention_bias": False,
-                                                          "use_sliding_window": False, "decoder_sparse_step": 1,
-                                                          "mlp_only_layers": []}, ("default",))
+                                                          "use_sliding_window": False, "decoder_sparse_step": 1},
+                              ("default",))
+    dense = config.get("mlp_only_layers") or []
+    if dense != list(range(len(dense))):
+        raise ValueError(f"mlp_only_layers = {dense!r}: Tessera's qwen3_moe keeps dense FFNs in the first layers "
+                         f"only (0, 1, ... k-1)")
     dim, n_heads, kv_heads, head_dim = shared.heads({"head_dim": 128, **config})
     experts = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 writes the latter
     return Qwen3MoeArgs(dim=dim, n_layers=shared.positive_int(config, "num_hidden_layers"), n_heads=n_heads,
@@ -66,13 +68,14 @@ def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
                         n_experts=shared.positive_int(config, experts),
                         top_k=shared.positive_int(config, "num_experts_per_tok"),
                         moe_hidden=shared.positive_int(config, "moe_intermediate_size"),
-                        norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+                        norm_topk_prob=bool(config.get("norm_topk_prob", False)), first_k_dense=len(dense),
+                        **({"ffn_hidden": shared.positive_int(config, "intermediate_size")} if dense else {}))
 
 
 def hf_config(args: Qwen3MoeArgs, bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     return {**shared.decoder_config(args, "Qwen3MoeForCausalLM", "qwen3_moe", rope, args.max_seq_len, bos_id, eos_id),
-            "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": list(range(args.first_k_dense)),
             "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
             "norm_topk_prob": args.norm_topk_prob}
