@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tessera import models
@@ -134,7 +135,7 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     if diffs:
         raise HFError(f"{folder / 'config.json'} describes another model than the one built, in {len(diffs)} "
                       f"field(s): {'; '.join(diffs)}; build config.json's architecture (leave model.flavor empty)")
-    reader = HuggingFaceStorageReader(str(folder))
+    reader = _reader(folder)
     try:
         saved = reader.read_metadata().state_dict_metadata
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
@@ -142,7 +143,16 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     fam = models.family(family)
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
         whole = fam.hf.to_hf(fam.spec().model(args).state_dict())
+    scales = {n for n in saved if n.endswith(_SCALE)}
+    if scales and not isinstance(reader, QuantizedHuggingFaceStorageReader):
+        raise HFError(f"'{folder}' holds block-quantization scales ('{min(scales)}') but its config.json has no "
+                      f"fp8 quantization_config with weight_block_size; add it or pass dequantized weights")
+    for name in scales:
+        if name.removesuffix(_SCALE) + ".weight" not in saved:
+            raise HFError(f"scale '{name}' in '{folder}' has no weight beside it")
     for name in saved:
+        if name in scales:
+            continue
         if name not in whole:
             ours = _our_name(fam.hf, name)
             raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
@@ -162,6 +172,27 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     # Not strict: the folder was checked to hold every tensor of the model above; what the adapter leaves out
     # is state HF's format has no place for (an expert selection bias), kept as it is.
     set_model_state_dict(model, fam.hf.from_hf(targets), options=StateDictOptions(strict=False))
+
+
+_SCALE = ".weight_scale_inv"
+
+
+def _reader(folder: Path) -> HuggingFaceStorageReader:
+    """DCP's reader of the folder; for an FP8 block-quantized checkpoint (config.json quantization_config
+    {"quant_method": "fp8", "weight_block_size": [b, b]}, each weight beside its `weight_scale_inv` per block),
+    the one that dequantizes each weight to fp32 as it is read, a rank reading only the blocks of its shard."""
+    try:
+        quant = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        quant = {}
+    if quant.get("quant_method") != "fp8":
+        return HuggingFaceStorageReader(str(folder))
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or block[0] != block[1]:
+        raise HFError(f"{folder / 'config.json'}: weight_block_size = {block}; square blocks are supported")
+    if not (folder / INDEX).is_file():
+        raise HFError(f"'{folder}' is FP8 block-quantized but has no {INDEX} pairing weights with their scales")
+    return QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.float32, block_size=int(block[0]))
 
 
 def _our_name(hf, name: str) -> str | None:

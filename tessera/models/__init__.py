@@ -6,7 +6,7 @@ import importlib
 import json
 import os
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def family(name: str):

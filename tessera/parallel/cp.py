@@ -52,9 +52,9 @@ class _AllGather(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's query chunks against the whole sequence's keys and values."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, scale: float | None = None):
         super().__init__()
-        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.group, self.cp_rank, self.cp, self.scale = group, cp_rank, cp, scale
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
@@ -74,12 +74,14 @@ class ContextParallelAttention(nn.Module):
             end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
             mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk * size)
             out.append(F.scaled_dot_product_attention(q[:, :, half * size:(half + 1) * size], keys[:, :, :end],
-                                                      values[:, :, :end], attn_mask=mask, enable_gqa=True))
+                                                      values[:, :, :end], attn_mask=mask, enable_gqa=True,
+                                                      scale=self.scale))
         return torch.cat(out, dim=2)
 
 
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) -> None:
-    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one."""
+    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one (same score scale)."""
     for block in blocks.values():
-        getattr(block, attention).sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(),
-                                                                  cp_mesh.size())
+        module = getattr(block, attention)
+        module.sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(),
+                                               getattr(module.sdpa, "scale", None))

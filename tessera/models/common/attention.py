@@ -31,9 +31,9 @@ class CausalSDPA(nn.Module):
     `window`/`chunk` narrow the causal mask (see `allowed`); `n_sinks` heads get a learned sink logit each,
     a column every query attends that holds no value (it only takes probability mass), computed eagerly."""
 
-    def __init__(self, window: int = 0, chunk: int = 0, n_sinks: int = 0):
+    def __init__(self, window: int = 0, chunk: int = 0, n_sinks: int = 0, scale: float | None = None):
         super().__init__()
-        self.window, self.chunk = window, chunk
+        self.window, self.chunk, self.scale = window, chunk, scale  # scale: of the scores, None: head_dim^-1/2
         self.sinks = nn.Parameter(torch.empty(n_sinks)) if n_sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,18 +41,18 @@ class CausalSDPA(nn.Module):
         """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
         n_q, n_k = q.shape[2], k.shape[2]
         if n_q == n_k and not (self.window or self.chunk or self.sinks is not None or documents is not None):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         mask = allowed(n_q, n_k, self.window, self.chunk, q.device)
         if documents is not None:  # [batch, 1 (heads), n_q, n_k]
             mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
         if self.sinks is not None:
             return self._with_sinks(q, k, v, mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
 
     def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = (q @ k.transpose(-1, -2)) * (self.scale or 1 / math.sqrt(q.shape[-1]))
         scores = scores.masked_fill(~mask, float("-inf"))
         sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
@@ -60,12 +60,15 @@ class CausalSDPA(nn.Module):
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values for positions [0, length), written as decoding goes on."""
+    """One layer's keys and values for positions [0, length), written as decoding goes on; values may have a
+    head size of their own (`v_dim`, MLA's)."""
 
-    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None,
+                 v_dim: int = 0):
         super().__init__()
         self.register_buffer("k", torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device))
-        self.register_buffer("v", torch.zeros_like(self.k))
+        self.register_buffer("v", torch.zeros(batch, n_kv_heads, max_len, v_dim or head_dim, dtype=dtype,
+                                              device=device))
         self.length = 0
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

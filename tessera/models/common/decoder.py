@@ -22,11 +22,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm,
-                                   args.norm_eps, args.attention_bias)
+        self.attention = self.make_attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         sparse = args.moe is not None and layer_id >= args.moe.first_k_dense
         self.feed_forward = MoE(args.dim, args.moe) if sparse else FeedForward(args.dim, args.ffn_hidden)
+
+    @staticmethod
+    def make_attention(args) -> nn.Module:
+        """A family with another attention (DeepSeek's MLA) overrides this; forward(x, rope, cache, documents)."""
+        return Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm, args.norm_eps,
+                         args.attention_bias)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,22 +41,25 @@ class TransformerBlock(nn.Module):
 
 
 class Decoder(nn.Module):
+    block = TransformerBlock  # a family's subclass may swap it
+
     def __init__(self, args):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed by layer id keeps parameter names stable when a pipeline stage drops layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Tied: the embedding matrix is used directly, since module-level sharing does not survive to_empty().
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", torch.empty(args.max_seq_len, 2, args.head_dim, device="meta"), persistent=False)
+        self.rope_dim = getattr(args, "rope_dim", args.head_dim)  # MLA rotates only part of each head
+        self.register_buffer("rope", torch.empty(args.max_seq_len, 2, self.rope_dim, device="meta"), persistent=False)
 
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
         """The RoPE table; `positions`: the global position of each local token (context parallel), else 0..n-1."""
         positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
         a = self.args
-        freqs = inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
+        freqs = inv_freq(self.rope_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
         self.rope = rope_table(positions.to(device), freqs, attention_factor(a.rope_scaling))
         for module in self.modules():
             if isinstance(module, MoE):

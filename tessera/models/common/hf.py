@@ -122,3 +122,14 @@ def stack_experts(parts: dict[int, object]):
     if values[0] is None or getattr(values[0], _IN_PLACE, False):
         return None
     return torch.stack(values)
+
+
+def stack_all(experts: dict[str, dict[int, object]]) -> dict:
+    """{stacked name: [E, ...] stack} of {stacked name: {expert index: tensor}}, leaving out a sharded stack's
+    local views (filled in place already)."""
+    out = {}
+    for name, parts in experts.items():
+        stack = stack_experts(parts)
+        if stack is not None or next(iter(parts.values())) is None:
+            out[name] = stack
+    return out

@@ -40,11 +40,7 @@ def from_hf(state: dict) -> dict:
             out.update(_NAMES.from_hf({name: value}))
         else:
             experts.setdefault(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", {})[int(m[2])] = value
-    for name, parts in experts.items():
-        stack = shared.stack_experts(parts)
-        if stack is not None or next(iter(parts.values())) is None:
-            out[name] = stack
-    return out
+    return {**out, **shared.stack_all(experts)}
 
 
 def args_from_hf_config(config: dict) -> Qwen3MoeArgs:

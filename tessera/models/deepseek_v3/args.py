@@ -1,0 +1,78 @@
+"""DeepSeek V2/V3 hyper-parameters (published configs): multi-head latent attention and DeepSeek MoE. Torch-free,
+so configs are checked before launch."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from tessera.models.common.moe_args import MoEArgs
+
+
+@dataclass
+class DeepSeekV3Args:
+    dim: int = 7168
+    n_layers: int = 61
+    n_heads: int = 128
+    q_lora_rank: int = 1536  # the query's low-rank bottleneck; 0: one plain projection
+    kv_lora_rank: int = 512  # the latent every head's keys and values are expanded from
+    qk_nope_head_dim: int = 128  # the part of each query/key head without RoPE
+    qk_rope_head_dim: int = 64  # the part with RoPE; its key is one head shared by all
+    v_head_dim: int = 128
+    ffn_hidden: int = 18432  # the dense first blocks' SwiGLU
+    moe_hidden: int = 2048  # each expert's
+    n_experts: int = 256
+    n_shared: int = 1
+    top_k: int = 8
+    score_func: str = "sigmoid"  # V3 sigmoid, V2 softmax
+    n_groups: int = 8  # group-limited routing: tokens pick experts within top_groups of n_groups groups
+    top_groups: int = 4
+    route_scale: float = 2.5  # HF routed_scaling_factor
+    norm_topk_prob: bool = True
+    first_k_dense: int = 3  # HF first_k_dense_replace
+    vocab_size: int = 129280  # debugmodel takes the tokenizer's instead
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # YaRN, as transformers' rope_parameters; None = plain
+    rope_interleave: bool = True  # the RoPE dims of the weights come in pairs (HF rope_interleave), not halves
+    max_seq_len: int = 4096  # length of the RoPE table; set from training.seq_len
+    tie_embeddings: bool = False
+
+    qk_norm = False  # not fields: the shared decoder's switches
+    attention_bias = False
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """A query/key head's size (its values' is v_head_dim)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def moe(self) -> MoEArgs:
+        return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, n_shared=self.n_shared,
+                       score_func=self.score_func, route_norm=self.norm_topk_prob, route_scale=self.route_scale,
+                       n_groups=self.n_groups, top_groups=self.top_groups, first_k_dense=self.first_k_dense)
+
+    def arch(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
+
+
+# name: dim, layers, heads, q rank, kv rank, nope/rope/v head dims, dense hidden, expert hidden, experts, shared,
+# top-k, score, groups, top groups, route scale, dense first blocks, vocab
+_TABLE = {
+    "debugmodel": (64, 3, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0),  # tests, CPU runs
+    "16B": (2048, 27, 16, 0, 512, 128, 64, 128, 10944, 1408, 64, 2, 6, "softmax", 1, 1, 1.0, 1, 102400),
+    "236B": (5120, 60, 128, 1536, 512, 128, 64, 128, 12288, 1536, 160, 2, 6, "softmax", 8, 3, 16.0, 1, 102400),
+    "671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280),
+}
+FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv_lora_rank=kr, qk_nope_head_dim=nope,
+                                qk_rope_head_dim=rope, v_head_dim=v, ffn_hidden=f, moe_hidden=mh, n_experts=e,
+                                n_shared=s, top_k=k, score_func=sf, n_groups=g, top_groups=tg, route_scale=rs,
+                                first_k_dense=fk, vocab_size=vocab, rope_interleave=name == "671B")
+           for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab) in _TABLE.items()}
+TAKES_TOKENIZER_VOCAB = {"debugmodel"}

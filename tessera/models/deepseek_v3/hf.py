@@ -1,0 +1,104 @@
+"""Hugging Face <-> Tessera for DeepSeek V3 (`DeepseekV3ForCausalLM`): MLA's projections, the hub's per-expert
+tensors stacked here, and the router's selection bias (HF `e_score_correction_bias`). FP8 block-quantized
+checkpoints are dequantized as they are read (tessera.checkpoint.hf)."""
+
+import re
+
+from tessera.models.common import hf as shared
+from tessera.models.deepseek_v3.args import DeepSeekV3Args
+
+_LAYER = {**{k: v for k, v in shared.DECODER_LAYER.items() if not k.startswith("attention.")},
+          "attention.wq": "self_attn.q_proj", "attention.wq_a": "self_attn.q_a_proj",
+          "attention.q_norm": "self_attn.q_a_layernorm", "attention.wq_b": "self_attn.q_b_proj",
+          "attention.wkv_a": "self_attn.kv_a_proj_with_mqa", "attention.kv_norm": "self_attn.kv_a_layernorm",
+          "attention.wkv_b": "self_attn.kv_b_proj", "attention.wo": "self_attn.o_proj",
+          "feed_forward.router.gate": "mlp.gate", "feed_forward.shared.w1": "mlp.shared_experts.gate_proj",
+          "feed_forward.shared.w2": "mlp.shared_experts.down_proj",
+          "feed_forward.shared.w3": "mlp.shared_experts.up_proj"}
+_NAMES = shared.Renamer("DeepSeek V3", _LAYER, shared.DECODER_TOP)
+_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")
+_BIAS = (re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias"),
+         re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
+
+
+def to_hf(state: dict) -> dict:
+    out = {}
+    for name, value in state.items():
+        if m := _BIAS[0].fullmatch(name):
+            out[f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"] = value
+        elif m := _OURS.fullmatch(name):
+            for e, expert in shared.experts_of(value):
+                out[f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight"] = expert
+        else:
+            out.update(_NAMES.to_hf({name: value}))
+    return out
+
+
+def from_hf(state: dict) -> dict:
+    out, experts = {}, {}
+    back = {v: k for k, v in _PROJ.items()}
+    for name, value in state.items():
+        if m := _BIAS[1].fullmatch(name):
+            out[f"layers.{m[1]}.feed_forward.expert_bias"] = value
+        elif m := _THEIRS.fullmatch(name):
+            experts.setdefault(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", {})[int(m[2])] = value
+        else:
+            out.update(_NAMES.from_hf({name: value}))
+    return {**out, **shared.stack_all(experts)}
+
+
+def args_from_hf_config(config: dict) -> DeepSeekV3Args:
+    """A `DeepseekV3ForCausalLM` config.json; biases, another activation, RoPE other than plain or YaRN, and
+    key/value heads apart from the query heads are refused. Its MTP layers (num_mtp_layers / nextn) are not
+    read: Tessera's DeepSeek V3 has none yet."""
+    shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
+                              ("default", "yarn"))
+    heads = shared.positive_int(config, "num_attention_heads")
+    if config.get("num_key_value_heads", heads) != heads:
+        raise ValueError(f"num_key_value_heads = {config['num_key_value_heads']}: MLA expands keys and values for "
+                         f"every one of the {heads} heads")
+    rope = shared.rope_parameters({"rope_theta": 10000.0, **config})
+    yarn = {"rope_type": "yarn", **{k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}} \
+        if rope["rope_type"] == "yarn" else None
+    experts = "n_routed_experts" if "n_routed_experts" in config else "num_local_experts"
+    return DeepSeekV3Args(
+        dim=shared.positive_int(config, "hidden_size"), n_layers=shared.positive_int(config, "num_hidden_layers"),
+        n_heads=heads, q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=shared.positive_int(config, "kv_lora_rank"),
+        qk_nope_head_dim=shared.positive_int(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=shared.positive_int(config, "qk_rope_head_dim"),
+        v_head_dim=shared.positive_int(config, "v_head_dim"),
+        ffn_hidden=shared.positive_int(config, "intermediate_size"),
+        moe_hidden=shared.positive_int(config, "moe_intermediate_size"), n_experts=shared.positive_int(config, experts),
+        n_shared=int(config.get("n_shared_experts") or 0), top_k=shared.positive_int(config, "num_experts_per_tok"),
+        score_func="sigmoid", n_groups=int(config.get("n_group") or 1), top_groups=int(config.get("topk_group") or 1),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        first_k_dense=int(config.get("first_k_dense_replace") or 0),
+        vocab_size=shared.positive_int(config, "vocab_size"),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), rope_scaling=yarn,
+        rope_interleave=bool(config.get("rope_interleave", True)),
+        max_seq_len=int(config.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers' DeepseekV3ForCausalLM (sigmoid routing; a softmax-scored V2 flavor has no
+    such config and is refused)."""
+    if args.score_func != "sigmoid":
+        raise ValueError(f"score_func = {args.score_func!r}: DeepseekV3ForCausalLM scores experts with a sigmoid")
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta, **(args.rope_scaling or {})}
+    max_pos = args.max_seq_len
+    if args.rope_scaling:
+        max_pos = int(args.rope_scaling["original_max_position_embeddings"] * args.rope_scaling["factor"])
+    return {**shared.decoder_config(args, "DeepseekV3ForCausalLM", "deepseek_v3", rope, max_pos, bos_id, eos_id),
+            "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim, "head_dim": args.qk_rope_head_dim, "moe_intermediate_size": args.moe_hidden,
+            "n_routed_experts": args.n_experts, "n_shared_experts": args.n_shared,
+            "num_experts_per_tok": args.top_k, "n_group": args.n_groups, "topk_group": args.top_groups,
+            "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
+            "first_k_dense_replace": args.first_k_dense, "rope_interleave": args.rope_interleave,
+            "num_mtp_layers": 0}

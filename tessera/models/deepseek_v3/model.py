@@ -1,0 +1,81 @@
+"""Multi-head latent attention (DeepSeek V2/V3) and the decoder built with it: queries from an optional low-rank
+bottleneck, keys and values expanded per head from one normed latent, and RoPE on a slice of each head whose key
+is shared by all heads. Values have a head size of their own."""
+
+import math
+
+import torch
+from torch import nn
+
+from tessera.models.common.attention import CausalSDPA, KVCache
+from tessera.models.common.decoder import Decoder, TransformerBlock
+from tessera.models.common.rope import apply_rope
+
+
+def _softmax_scale(args) -> float:
+    """head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 for a long-context (scaled) RoPE."""
+    scale, yarn = args.head_dim ** -0.5, args.rope_scaling or {}
+    if yarn.get("mscale_all_dim") and yarn.get("factor", 1) > 1:
+        scale *= (0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0) ** 2
+    return scale
+
+
+class MLA(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        a, self.args = args, args
+        q_out = a.n_heads * a.head_dim
+        if a.q_lora_rank:
+            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=1e-6)
+            self.wq_b = nn.Linear(a.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(a.dim, q_out, bias=False)
+        self.wkv_a = nn.Linear(a.dim, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(a.kv_lora_rank, eps=1e-6)
+        self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
+        self.sdpa = CausalSDPA(scale=_softmax_scale(a))
+
+    def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, rope)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.args
+        bsz, seq, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q = q.view(bsz, seq, -1, a.head_dim)  # -1 heads: under tensor parallelism a rank's share
+        q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        latent, k_rot = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        start = cache.length if cache is not None else 0
+        positions = rope[start:start + seq]
+        q = torch.cat([q_nope, self._rope(q_rot, positions)], dim=-1)
+        k_rot = self._rope(k_rot.unsqueeze(2), positions).expand(-1, -1, k_nope.shape[2], -1)
+        k = torch.cat([k_nope, k_rot], dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLABlock(TransformerBlock):
+    @staticmethod
+    def make_attention(args) -> nn.Module:
+        return MLA(args)
+
+
+class DeepSeekV3(Decoder):
+    """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after)."""
+
+    block = MLABlock
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:
+        a = self.args  # keys and values expanded per head (the latent itself is not what is cached)
+        return [KVCache(batch, max_len, a.n_heads, a.head_dim, dtype, device, v_dim=a.v_head_dim)
+                for _ in range(a.n_layers)]
