@@ -180,7 +180,7 @@ _SCALE = ".weight_scale_inv"
 def _reader(folder: Path) -> HuggingFaceStorageReader:
     """DCP's reader of the folder; for an FP8 block-quantized checkpoint (config.json quantization_config
     {"quant_method": "fp8", "weight_block_size": [b, b]}, each weight beside its `weight_scale_inv` per block),
-    the one that dequantizes each weight to fp32 as it is read, a rank reading only the blocks of its shard."""
+    the one that dequantizes each weight to fp32 as it is read (torch's; tested in one process)."""
     try:
         quant = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError):
