@@ -130,10 +130,11 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / max(step, 1) * (self.total_steps - step)
         m = metrics
+        mtp = f"  mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
         log.info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {m['loss']:.4f}  "
                  f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  tps {m['tps']:,.0f}  "
                  f"tflops {m['tflops']:.3f}  mfu {m['mfu']:.1%}  mem {m['memory_gib']:.2f}GiB  "
-                 f"data {m['data_share']:.1%}{_moe(m)}  eta {_eta(eta)}")
+                 f"data {m['data_share']:.1%}{_moe(m)}{mtp}  eta {_eta(eta)}")
 
     def close(self) -> None:
         for sink in (self.jsonl, self.tb):

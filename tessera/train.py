@@ -71,6 +71,8 @@ def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
 def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step over `grad_accum` micro-batches; returns (local loss, grad norm, data seconds)."""
     tr.optimizer.zero_grad()
+    for side in tr.side_losses:
+        side.reset()
     loss_total, data_s = torch.zeros((), device=tr.world.device), 0.0
     for _ in range(tr.grad_accum):
         start = time.perf_counter()
@@ -141,6 +143,7 @@ def train(tr: Trainer) -> None:
                       "data_share": window_data_s / elapsed, "checkpoint_stall_s": stall}
             if tr.balancer is not None:
                 record.update(tr.balancer.metrics(tr.world.device))
+            record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
             tr.metrics.log(tr.step, record)
             tr.history.append({"step": tr.step, **record})
             window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0

@@ -18,6 +18,7 @@ from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, peak_flops
+from tessera.models.common.side_loss import SideLoss
 from tessera.optim import build_lr_scheduler, build_optimizer
 from tessera.parallel import cp, pp
 from tessera.parallel.compile import compile_loss
@@ -63,6 +64,7 @@ class Trainer:
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
+    side_losses: list[SideLoss]  # losses the model computes itself (multi-token prediction), for metrics
     step: int = 0
     tokens_seen: int = 0
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
@@ -127,6 +129,13 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
     return experts.Balancer(layers, cfg.moe.load_balance_rate,
                             world.flat["routing"].get_group() if world.mesh is not None else None,
                             pipeline.group if pipeline is not None else None, share)
+
+
+def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int) -> list[SideLoss]:
+    losses, share = [m for m in model.modules() if isinstance(m, SideLoss)], micro_batches(cfg, world, grad_accum)
+    for m in losses:
+        m.weight, m.share = getattr(cfg.training, m.weight_option), 1.0 / share
+    return [m for m in losses if m.weight]
 
 
 def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
@@ -211,7 +220,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
                  spec.batch or token_batch, spec.extra_loss,
                  tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
-                 post_optimizer_hook(model, cfg), bad, build_balancer(cfg, world, args, model, pipeline, grad_accum))
+                 post_optimizer_hook(model, cfg), bad, build_balancer(cfg, world, args, model, pipeline, grad_accum),
+                 build_side_losses(cfg, world, model, grad_accum))
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

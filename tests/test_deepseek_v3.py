@@ -1,26 +1,34 @@
 """DeepSeek V3: counts against the published ones, MLA + DeepSeek MoE logits, both HF directions and greedy
 generation against transformers for tiny random configs (with and without the query bottleneck, interleaved
-RoPE, YaRN), FP8 block-quantized checkpoints dequantized on import, FSDP 2 x EP 2 equal to one process."""
+RoPE, YaRN), multi-token prediction against transformers' MtpModel and its loss, FP8 block-quantized
+checkpoints dequantized on import, and FSDP/EP/PP/CP/TP layouts (8 ranks at most) equal to one process."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
 from tessera.checkpoint.hf import load_hf, save_hf
-from tessera.generate import from_pretrained, generate
 from tessera.models import family, hf_args, num_params
+from tests.hf_parity import assert_round_trip
 
 DSV3 = family("deepseek_v3")
 
 
 @pytest.mark.parametrize("flavor, total, active", [("16B", 15.7, 2.4), ("236B", 236, 21), ("671B", 671, 37)])
 def test_parameter_counts_match_the_published_ones(flavor, total, active):
-    counts = DSV3.counts(DSV3.flavors[flavor], 4096)
+    """The main model's (the published counts leave out V3's MTP depth); with it, the 671B checkpoint holds
+    685B, as published (its MTP layer keeps copies of the embedding and the head)."""
+    args = DSV3.flavors[flavor]
+    counts = DSV3.counts(dataclasses.replace(args, n_mtp=0), 4096)
     active_b = (counts.active - counts.embedding) / 1e9  # published: without the input embedding
     assert abs(counts.params / 1e9 - total) / total < 0.02 and abs(active_b - active) / active < 0.03
-    for args in (DSV3.flavors["debugmodel"], dataclasses.replace(DSV3.flavors["debugmodel"], q_lora_rank=0)):
+    if args.n_mtp:
+        stored = DSV3.counts(args, 4096).params + 2 * args.vocab_size * args.dim
+        assert abs(stored / 1e9 - 685) / 685 < 0.02
+    for args in (DSV3.flavors["debugmodel"], DSV3.flavors["debugmodel_v2"], DSV3.flavors["debugmodel_mtp"]):
         with torch.device("meta"):
             model = DSV3.spec().model(dataclasses.replace(args, vocab_size=258))
         assert DSV3.counts(model.args, 32).params == num_params(model)
@@ -72,17 +80,114 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
     transformers = pytest.importorskip("transformers")
     theirs = _theirs(tmp_path / "in", **_CONFIGS[name])
     ours, args = _ours(tmp_path / "in")
+    assert_round_trip(theirs, ours, args, transformers.DeepseekV3ForCausalLM, tmp_path / "in", tmp_path)
+
+
+def _add_mtp(folder, theirs, depths: int):
+    """transformers' MtpModel over `theirs`, random, its weights added to the folder as DeepSeek lays them
+    out: layers L, L + 1... (per-expert tensors, `shared_head.norm`, copies of the embedding and head)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    theirs.config.num_mtp_layers = depths
+    torch.manual_seed(2)
+    mtp = MtpModel(theirs, depths).eval()
+    state, n = load_file(folder / "model.safetensors"), theirs.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if "mlp.gate" in name or "experts" in name:
+                p.normal_(0, 0.3)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for layer in mtp.layers:
+            layer.mtp_block.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    for name, value in mtp.state_dict().items():
+        if not (m := re.fullmatch(r"layers\.(\d+)\.(?:mtp_block\.)?(.+)", name)):
+            continue  # the embedding and head: the main model's
+        prefix, rest = f"model.layers.{n + int(m[1])}.", m[2].replace("post_norm.", "shared_head.norm.")
+        if rest.endswith("experts.gate_up_proj"):  # transformers fuses what checkpoints keep per expert
+            for e, w in enumerate(value):
+                gate, up = w.chunk(2)
+                state.update({f"{prefix}mlp.experts.{e}.gate_proj.weight": gate,
+                              f"{prefix}mlp.experts.{e}.up_proj.weight": up})
+        elif rest.endswith("experts.down_proj"):
+            state.update({f"{prefix}mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(value)})
+        else:
+            state[prefix + rest] = value
+    for k in range(depths):
+        state[f"model.layers.{n + k}.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        state[f"model.layers.{n + k}.shared_head.head.weight"] = state["lm_head.weight"]
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("num_mtp_layers", None)
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": depths}))
+    return mtp
+
+
+def _their_mtp_logits(theirs, mtp, tokens) -> list[torch.Tensor]:
+    """Depth k: the previous depth's output (the model's normed last hidden states first) at positions
+    0..S-k-1 with the tokens k..S-1, as transformers' MTP drafting aligns them."""
+    h, out = theirs(tokens, output_hidden_states=True).hidden_states[-1], []
+    for k in range(1, len(mtp.layers) + 1):
+        positions = torch.arange(k, tokens.shape[1])[None]
+        h = mtp.forward_layer(k - 1, h[:, :-1], positions, None, input_ids=tokens[:, k:])
+        out.append(mtp._project_to_logits(h))
+    return out
+
+
+def test_mtp_depths_equal_transformers_and_export_as_deepseek_lays_them_out(tmp_path):
+    """2 MTP depths: each depth's logits equal transformers' MtpModel within 1e-5 after import, and again after
+    export (layers L, L+1 with their copies of the embedding and head), with the main logits unchanged."""
+    theirs = _theirs(tmp_path / "in", **_CONFIGS["q_lora_interleaved_yarn"])
+    mtp = _add_mtp(tmp_path / "in", theirs, 2)
+    ours, args = _ours(tmp_path / "in")
+    assert args.n_mtp == 2
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        expected = theirs(tokens).logits
-        torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
+        expected = _their_mtp_logits(theirs, mtp, tokens)
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+        got = ours.mtp_logits(ours.norm(ours.hidden(tokens)), tokens)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         save_hf(ours, args, tmp_path / "out")
-        back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-    model, _ = from_pretrained(tmp_path / "in")
-    prompt = [3, 17, 42, 5]
-    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert generate(model, prompt, 12) == want[0, len(prompt):].tolist()
+        back, _ = _ours(tmp_path / "out")
+        for a, b in zip(back.mtp_logits(back.norm(back.hidden(tokens)), tokens), expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    from safetensors import safe_open
+
+    names = set().union(*(safe_open(f, "pt").keys() for f in (tmp_path / "out").glob("*.safetensors")))
+    assert {"model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight",
+            "model.layers.4.shared_head.norm.weight", "model.layers.4.mlp.experts.7.up_proj.weight"} <= names
+
+
+def test_the_mtp_loss_adds_its_weighted_mean_over_depths_to_the_gradient():
+    """Training with MTP: the logits are the main model's, and the gradients equal those of CE + w x the mean
+    over depths of each depth's CE on the tokens k+1 on (computed by hand from mtp_logits), within 1e-6."""
+    from tessera.parallel.init import materialize
+
+    args = dataclasses.replace(DSV3.flavors["debugmodel_mtp"], vocab_size=64, max_seq_len=16)
+    with torch.device("meta"):
+        model = DSV3.spec().model(args)
+    materialize(model, torch.device("cpu"), 0)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def ce(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    model.mtp_loss.weight = 0.3
+    ce(model(inputs), labels).backward()
+    assert model.mtp_loss.count == 1
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    h = model.norm(model.hidden(inputs))
+    depths = [ce(out[:, :-1], inputs[:, k + 1:]) for k, out in enumerate(model.mtp_logits(h, inputs), 1)]
+    (ce(model.head(h), labels) + 0.3 * torch.stack(depths).mean()).backward()
+    torch.testing.assert_close(model.mtp_loss.total, torch.stack(depths).mean().detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert got["mtp.1.eh_proj.weight"].abs().sum() > 0
 
 
 def _quantize_fp8(folder, block: int) -> None:
@@ -156,38 +261,65 @@ def test_fp8_block_quantized_checkpoints_are_dequantized_on_import(tmp_path, blo
 _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 
 
-def test_fsdp_ep_pp_and_cp_layouts_equal_one_process(tmp_path):
-    """4 ranks, with the bias update on: FSDP 4; EP 2 x FSDP 4 (experts sharded over both); PP 2 x EP 2 x FSDP,
-    whose first stage holds the dense block; EP 2 x CP 2 (MLA's values narrower than its keys). Per-step
-    losses and grad norms, step-1 gradients and final parameters equal one process within 1e-5."""
+def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
+    """4 ranks, with the bias update on, each equal to one process within 1e-5 (per-step losses and grad norms,
+    step-1 gradients, final parameters): FSDP 4; EP 2 x FSDP 4 (experts sharded over both); PP 2 x EP 2 x
+    FSDP, whose first stage holds the dense block; TP 2 x EP 2 x FSDP 2 (MLA's plan: the rope key's gradient
+    summed over TP); TP 2 x FSDP 2 on the plain-query V2 debug model; 2 MTP depths under EP 2 x FSDP 4; and,
+    from HF folders, EP 2 x CP 2 on a YaRN-scaled MLA (its softmax scale kept by CP's kernel) and EP 2 x FSDP 4
+    on FP8 block-quantized weights (each rank dequantizing its own slices)."""
+    from tests.dist_worker import run_grads
+    from tests.launch import assert_matches, run_cases
+
+    model = ["--model.name", "deepseek_v3", "--moe.load_balance_rate", "1e-2"]
+    debug, v2, mtp = ([*model, "--model.flavor", f] for f in ("debugmodel", "debugmodel_v2", "debugmodel_mtp"))
+    _theirs(tmp_path / "yarn", vocab_size=300, **_CONFIGS["q_lora_interleaved_yarn"])
+    _theirs(tmp_path / "fp8", vocab_size=300, **_CONFIGS["q_lora_interleaved_yarn"])
+    _quantize_fp8(tmp_path / "fp8", 16)
+    yarn, fp8 = ([*model, "--model.flavor=", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                  "--checkpoint.initial_load_path", str(tmp_path / name)] for name in ("yarn", "fp8"))
+    batch, pp = "--training.local_batch_size", ["--parallelism.pipeline_parallel_degree", "2",
+                                                "--parallelism.pipeline_parallel_microbatch_size", "2"]
+    ep, cp, tp = (["--parallelism.expert_parallel_degree", "2"], ["--parallelism.context_parallel_degree", "2"],
+                  ["--parallelism.tensor_parallel_degree", "2"])
+    references = [run_grads([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8)]
+    cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp],
+             [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
+             [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep]]
+    for got, reference in zip(run_cases(4, tmp_path, cases, 4), references, strict=True):
+        assert_matches(got, reference, 1e-5, what=("grads", "params"))
+
+
+def test_8_ranks_pp_x_ep_x_fsdp_x_tp_equal_one_process(tmp_path):
+    """PP 2 x TP 2 x FSDP 2, EP 2 taking in the TP pairs: the dense block on the first stage."""
     from tests.dist_worker import run_grads
     from tests.launch import assert_matches, run_cases
 
     model = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2"]
-    reference = run_grads([*model, "--training.local_batch_size", "8"], 4)
-    pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
-    cases = [[*model, "--training.local_batch_size", "2"],
-             [*model, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"],
-             [*model, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", *pp],
-             [*model, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
-              "--parallelism.context_parallel_degree", "2"]]
-    for got in run_cases(4, tmp_path, cases, 4):
-        assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    layout = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    (got,) = run_cases(8, tmp_path, [[*model, "--training.local_batch_size", "4", *layout]], 4)
+    assert_matches(got, run_grads([*model, "--training.local_batch_size", "8"], 4), 1e-5, what=("grads", "params"))
 
 
-def test_the_debug_model_trains_with_balancing_on():
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_mtp"])
+def test_the_debug_models_train_with_balancing_on(flavor):
     from tests.dist_worker import run_train
 
-    history = run_train(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "128",
+    history = run_train(["--model.name", "deepseek_v3", "--model.flavor", flavor, "--training.seq_len", "128",
                          "--training.local_batch_size", "8", "--optimizer.lr", "3e-3"], 40)["history"]
     assert history[-1]["loss"] < history[0]["loss"] - 1.0 and "moe_imbalance" in history[-1]
+    if flavor == "debugmodel_mtp":
+        assert history[-1]["mtp_loss"] < history[0]["mtp_loss"] - 1.0
 
 
-def test_tensor_parallel_is_refused_up_front():
+@pytest.mark.parametrize("layout", ["tensor", "context", "pipeline"])
+def test_mtp_is_refused_where_ranks_hold_no_whole_sequence_and_kept_untrained_at_weight_0(layout):
     from tessera.config import ConfigError, parse_args
     from tessera.config.validate import validate
 
-    cfg = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                      "--parallelism.tensor_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="parallelism.tensor_parallel_degree: .*latent attention"):
-        validate(cfg, 2)
+    argv = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp",
+            f"--parallelism.{layout}_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match="training.mtp_loss_weight: multi-token prediction runs on whole"):
+        validate(parse_args(argv), 2)
+    validate(parse_args([*argv, "--training.mtp_loss_weight", "0"]), 2)

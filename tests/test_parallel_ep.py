@@ -39,18 +39,19 @@ def test_ep2_ep2_x_cp2_and_ep2_compiled(tmp_path, reference):
 def test_ep2_with_fsdp_hsdp_tp_pp_and_the_aux_loss_under_pp_and_accumulation(tmp_path, reference):
     """4 ranks: EP 2 x FSDP (dense sharded 4 ways, experts 2), HSDP 2x2 x EP 2, EP 2 x TP 2, EP 2 x PP 2; then the
     sequence-wise aux loss (its gradient starts at each layer, on whichever stage) under PP 2 x EP 2 with 2
-    accumulation steps against one process adding it to the loss; and PP 2 x EP 2 with a dense first block, so
-    that the first stage holds no experts."""
+    accumulation steps against one process adding it to the loss; PP 2 x EP 2 with a dense first block, so
+    that the first stage holds no experts; and EP 2 x TP 2 with it (its SwiGLU split by TP, as a dense model's)."""
     dense_first = ["--model.flavor", "debugmodel_moe_dense_first"]
     cases = [ep(2, 2), ep(2, 2, "--parallelism.data_parallel_replicate_degree", "2"), ep(2, 4, *TP), ep(2, 4, *PP),
              ep(2, 2, *PP[:2], "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size",
-                "8", *AUX), ep(2, 4, *PP, *dense_first)]
-    *layouts, aux, no_experts_stage = run_cases(4, tmp_path, cases, STEPS)
+                "8", *AUX), ep(2, 4, *PP, *dense_first), ep(2, 4, *TP, *dense_first)]
+    *layouts, aux, no_experts_stage, tp_dense_first = run_cases(4, tmp_path, cases, STEPS)
     for got in layouts:
         assert_matches(got, reference, TOL, what=("grads", "params"))
-    for got, more in ((aux, AUX), (no_experts_stage, dense_first)):
-        assert_matches(got, run_grads([*MOE, "--training.local_batch_size", "8", *more], STEPS), TOL,
-                       what=("grads", "params"))
+    dense_first_reference = run_grads([*MOE, "--training.local_batch_size", "8", *dense_first], STEPS)
+    for got, ref in ((aux, run_grads([*MOE, "--training.local_batch_size", "8", *AUX], STEPS)),
+                     (no_experts_stage, dense_first_reference), (tp_dense_first, dense_first_reference)):
+        assert_matches(got, ref, TOL, what=("grads", "params"))
 
 
 def test_8_ranks_ep_x_fsdp_x_tp_x_pp_with_full_activation_checkpointing(tmp_path, reference):

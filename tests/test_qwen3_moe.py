@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from tessera.checkpoint.hf import load_hf, save_hf
-from tessera.generate import from_pretrained, generate
+from tessera.checkpoint.hf import load_hf
 from tessera.models import family, hf_args, num_params
 from tests.dist_worker import run_grads, run_train
+from tests.hf_parity import assert_round_trip
 from tests.launch import assert_matches, run_cases
 
 MOE = family("qwen3_moe")
@@ -54,17 +54,7 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
     ours.to_empty(device="cpu")
     ours.init_buffers(torch.device("cpu"))
     load_hf(ours.eval(), tmp_path / "in")
-    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(tokens).logits
-        torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
-        save_hf(ours, args, tmp_path / "out")
-        back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-    model, _ = from_pretrained(tmp_path / "in")
-    prompt = [3, 17, 42, 5]
-    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert generate(model, prompt, 12) == want[0, len(prompt):].tolist()
+    assert_round_trip(theirs, ours, args, transformers.Qwen3MoeForCausalLM, tmp_path / "in", tmp_path)
 
 
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):

@@ -73,6 +73,9 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence", min=2)
     max_norm: float = opt(1.0, "clip gradients to this global L2 norm; 0 = no clipping", min=0.0)
     steps: int = opt(10000, "optimizer steps to train", min=1)
+    mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over depths), for models "
+                                 "with MTP depths (DeepSeek V3: 0.3, later 0.1); 0 = the depths are kept but not run",
+                                 min=0.0)
     dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id "
                        "ORG/NAME")
     dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; or a local copy of a hub dataset")

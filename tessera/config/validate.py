@@ -158,6 +158,10 @@ def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if moe is not None and cfg.moe.aux_loss_coef and (dims.tp > 1 or dims.cp > 1):
         raise ConfigError("moe.aux_loss_coef: the sequence-wise balancing loss needs each rank to hold whole "
                           "sequences, which TP and CP ranks do not; use moe.load_balance_rate (aux-loss-free) there")
+    if getattr(args, "n_mtp", 0) and cfg.training.mtp_loss_weight and (dims.tp > 1 or dims.cp > 1 or dims.pp > 1):
+        raise ConfigError("training.mtp_loss_weight: multi-token prediction runs on whole sequences, after the "
+                          "last block and beside the input embedding, which TP, CP and PP ranks do not hold yet; set "
+                          "it to 0 there (the depths stay in the model and its checkpoints, untrained)")
     if dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
                           "(it is an inductor pass over NCCL symmetric memory); turn it off here")

@@ -7,10 +7,11 @@ blocks the residual stream stays sharded along the sequence (Shard(1)), so norms
 import contextlib
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -19,19 +20,65 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
-def block_plan(attention: str, attn_in: tuple[str, ...], attn_out: str, ffn: str, ffn_in: tuple[str, ...],
-               ffn_out: str, norms: tuple[str, ...], extra_inputs: int = 1) -> dict:
-    """One transformer block: column-wise in-projections, row-wise out-projections back to sequence shards."""
+def attention_plan(attention: str, ins: tuple[str, ...], out: str, norms: tuple[str, ...], extra_inputs: int = 1,
+                   local_input: bool = False) -> dict:
+    """A block's norms and attention: column-wise in-projections, a row-wise out-projection back to sequence
+    shards. `local_input`: the attention gets the gathered sequence as a plain tensor (modules in it that
+    stay replicated, like MLA's latent path, then run on it as they are)."""
+    passthrough = (None,) * extra_inputs
     plan = {n: SequenceParallel() for n in norms}
-    for module, ins, out in ((attention, attn_in, attn_out), (ffn, ffn_in, ffn_out)):
-        passthrough = (None,) * (extra_inputs if module == attention else 0)
-        plan[module] = PrepareModuleInput(input_layouts=(Shard(1), *passthrough),
-                                          desired_input_layouts=(Replicate(), *passthrough))
-        plan.update({f"{module}.{name}": ColwiseParallel() for name in ins})
-        plan[f"{module}.{out}"] = RowwiseParallel(output_layouts=Shard(1))
+    plan[attention] = PrepareModuleInput(input_layouts=(Shard(1), *passthrough),
+                                         desired_input_layouts=(Replicate(), *passthrough),
+                                         use_local_output=local_input)
+    plan.update({f"{attention}.{name}": ColwiseParallel() for name in ins})
+    plan[f"{attention}.{out}"] = RowwiseParallel(output_layouts=Shard(1))
     return plan
+
+
+def ffn_plan(ffn: str, ins: tuple[str, ...], out: str) -> dict:
+    """A dense FFN on the gathered sequence: column-wise in, row-wise out to sequence shards."""
+    plan = {ffn: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    plan.update({f"{ffn}.{name}": ColwiseParallel() for name in ins})
+    plan[f"{ffn}.{out}"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+class Replicated(ParallelStyle):
+    """A module kept whole on every TP rank, run on plain tensors: its weights become replicated DTensors (so
+    FSDP, clipping and checkpoints see them like any TP weight) and its input and output stay local. Its
+    output's gradient must be whole on each rank; `sum_grad_columns`: the output's last columns feed only this
+    rank's heads, so their gradient is summed over TP in backward (MLA's rope key, one head shared by all; the
+    rest of its output reaches column-wise modules, whose input gradients TP already sums)."""
+
+    def __init__(self, sum_grad_columns: int = 0):
+        self.sum_grad_columns = sum_grad_columns
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, columns = device_mesh.get_group().group_name, self.sum_grad_columns
+
+        def inputs(_, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, (Replicate(),), run_check=False) for a in args)
+
+        def output(_, out, __):
+            return _SumTail.apply(out.to_local(), columns, group) if columns else out.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=inputs, output_fn=output)
+
+
+class _SumTail(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, columns: int, group: str) -> torch.Tensor:
+        ctx.columns, ctx.group = columns, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        head, tail = grad.split([grad.shape[-1] - ctx.columns, ctx.columns], dim=-1)
+        tail = funcol.all_reduce(tail.contiguous(), "sum", ctx.group)
+        return torch.cat([head, funcol.wait_tensor(tail)], dim=-1), None, None
 
 
 def local_tokens(module: str) -> dict:
@@ -50,14 +97,15 @@ def root_plan(embedding: str, norm: str, output: str, loss_parallel: bool) -> di
     }
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: dict[str, nn.Module], block: dict) -> None:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: list[tuple[nn.Module, dict]]) -> None:
+    """`root`'s plan on the model, then each block's own (a block with experts gets another FFN plan)."""
     parallelize_module(model, mesh, root)
     for name, module in model.named_modules():  # a pipeline stage lacks some of the root's modules
         style = root.get(name)
         if isinstance(style, RowwiseParallel) and style.use_local_output:
             module.register_forward_hook(_settle)
-    for module in blocks.values():
-        parallelize_module(module, mesh, block)
+    for module, plan in blocks:
+        parallelize_module(module, mesh, plan)
 
 
 def _settle(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:

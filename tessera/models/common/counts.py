@@ -20,8 +20,10 @@ def check_decoder_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     """What tensor and pipeline parallelism need of the shared decoder (context parallelism it takes at any
     degree the sequence splits into). A vocabulary of 0 is not known yet (the tokenizer's): checked once it is."""
     if tp > 1:
+        moe = getattr(args, "moe", None)
+        dense = moe is None or moe.first_k_dense > 0  # blocks with a SwiGLU that TP splits
         for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
-                           ("FFN hidden size", args.ffn_hidden), ("vocab size", args.vocab_size)):
+                           ("FFN hidden size", args.ffn_hidden if dense else 0), ("vocab size", args.vocab_size)):
             if size and size % tp:
                 raise ValueError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) "
                                  f"of {label}; pick a divisor")

@@ -72,14 +72,21 @@ class Decoder(nn.Module):
 
         A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
         """
+        h = self.hidden(tokens, cache, documents)
+        return h if self.norm is None else self.head(self.norm(h))
+
+    def hidden(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
+               documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The last block's output (before the final norm)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in enumerate(self.layers.values()):
             # The whole table: attention slices it once it sees the whole sequence (under sequence
             # parallelism the residual stream between blocks holds only a slice of it).
             h = layer(h, self.rope, cache=cache[i] if cache is not None else None, documents=documents)
-        if self.norm is None:
-            return h
-        h = self.norm(h)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states -> logits."""
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:

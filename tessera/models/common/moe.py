@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.models.common.attention import FeedForward
 from tessera.models.common.moe_args import MoEArgs
+from tessera.models.common.side_loss import AddLossGrad
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -22,20 +23,6 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
-
-
-class _AuxLossGrad(torch.autograd.Function):
-    """Identity on the layer's output whose backward also starts the (scaled) auxiliary loss's backward: the
-    loss trains the router from whichever pipeline stage holds the layer, without travelling to the loss."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_shape = aux.shape
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.new_ones(ctx.aux_shape)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -159,7 +146,7 @@ class MoE(nn.Module):
             if first_run:
                 self.aux_loss_sum = self.aux_loss_sum + aux.detach()
             if torch.is_grad_enabled():
-                out = _AuxLossGrad.apply(out, aux * self.aux_scale)
+                out = AddLossGrad.apply(out, aux * self.aux_scale)  # trains the router from its own stage
         return out.view(bsz, seq, dim)
 
     def sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

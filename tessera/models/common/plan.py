@@ -1,5 +1,6 @@
 """The shared decoder's parallelism plan: which pieces each feature applies to, in which order (converters,
-TP, EP, CP, AC, compile, FSDP). A family passes its block's TP plan. MoE layers run on each rank's own tokens
+TP, EP, CP, AC, compile, FSDP). A family passes its blocks' TP plan for norms and attention; the FFN's is
+the shared one (column/row-wise for a dense SwiGLU). MoE layers run on each rank's own tokens
 (under TP its sequence slice), so their experts and router are sharded by FSDP over meshes of their own
 (World.moe_mesh)."""
 
@@ -14,22 +15,24 @@ from tessera.parallel.cp import apply_cp
 from tessera.parallel.ep import apply_ep
 from tessera.parallel.fsdp import apply_fsdp, mixed_precision
 from tessera.parallel.quantize import apply_converters
-from tessera.parallel.tp import apply_tp, block_plan, enable_async_tp, root_plan
+from tessera.parallel.tp import apply_tp, attention_plan, enable_async_tp, ffn_plan, local_tokens, root_plan
 
-DECODER_BLOCK_TP_PLAN = block_plan(attention="attention", attn_in=("wq", "wk", "wv"), attn_out="wo",
-                                   ffn="feed_forward", ffn_in=("w1", "w3"), ffn_out="w2",
-                                   norms=("attention_norm", "ffn_norm"))
+NORMS = ("attention_norm", "ffn_norm")
+DECODER_BLOCK_TP_PLAN = attention_plan("attention", ("wq", "wk", "wv"), "wo", NORMS)
+_FFN_TP_PLAN = {False: ffn_plan("feed_forward", ("w1", "w3"), "w2"), True: local_tokens("feed_forward")}
 
 
 def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp_plan: dict,
-                        high_precision: tuple[str, ...]) -> nn.Module:
+                        high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = ()) -> nn.Module:
+    """`more_units`: modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths)."""
     p = cfg.parallelism
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     apply_converters(model, cfg, world.device, high_precision)
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
-        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
-                 model.layers, block_tp_plan)
+        blocks = [(b, {**block_tp_plan, **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]})
+                  for b in model.layers.values()]
+        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel), blocks)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if world.dims.ep > 1:
@@ -44,7 +47,8 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
     inner += [(part, router_mesh) for m in moe for part in (m.router, m.shared) if part and router_mesh is not None]
     if dp_mesh is not None or inner:
         param_dtype, reduce_dtype = mixed_precision(cfg.training, world.device)
-        apply_fsdp(model, dp_mesh, list(model.layers.values()), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=cfg.training.enable_cpu_offload,
-                   inner=tuple(inner), inner_divide=world.dims.dp * world.dims.cp)
+        apply_fsdp(model, dp_mesh, [*model.layers.values(), *more_units], param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
+                   cpu_offload=cfg.training.enable_cpu_offload, inner=tuple(inner),
+                   inner_divide=world.dims.dp * world.dims.cp)
     return model

@@ -1,6 +1,7 @@
 """DeepSeek V3 (and V2): multi-head latent attention, DeepSeek MoE (sigmoid or softmax scores, group-limited
 routing, shared experts, dense first blocks), the shared decoder otherwise."""
 
+from tessera.models.common.counts import check_decoder_layout
 from tessera.models.contract import Counts, Family
 from tessera.models.deepseek_v3 import hf
 from tessera.models.deepseek_v3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
@@ -8,7 +9,7 @@ from tessera.models.deepseek_v3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 
 def counts(args, seq_len: int) -> Counts:
     """Training FLOPs per token: 6 per weight a token meets, plus attention scores and values over MLA's
-    head sizes, 6 L H (qk + v) S (causal masking not discounted)."""
+    head sizes, 6 L H (qk + v) S (causal masking not discounted). MTP depths count as blocks (they train)."""
     a, d = args, args.dim
     q = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.n_heads * a.head_dim if a.q_lora_rank \
         else d * a.n_heads * a.head_dim
@@ -19,22 +20,15 @@ def counts(args, seq_len: int) -> Counts:
     moe = d * a.n_experts + a.n_shared * expert
     table = a.vocab_size * d
     embedding = 0 if a.tie_embeddings else table
-    common = table + embedding + d + a.n_layers * attention + a.first_k_dense * 3 * d * a.ffn_hidden + sparse * moe
+    sparse += a.n_mtp  # each MTP depth: a MoE block, its 3 norms and the projection of [embedding; hidden]
+    blocks = (a.n_layers + a.n_mtp) * attention + a.n_mtp * (3 * d + 2 * d * d)
+    common = table + embedding + d + blocks + a.first_k_dense * 3 * d * a.ffn_hidden + sparse * moe
     params, active = common + sparse * a.n_experts * expert, common + sparse * a.top_k * expert
-    flops = 6 * (active - embedding) + 6 * a.n_layers * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
+    flops = 6 * (active - embedding) + 6 * (a.n_layers + a.n_mtp) * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
 
 
-def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
-    if tp > 1:
-        raise ValueError(f"parallelism.tensor_parallel_degree: {label}'s multi-head latent attention has no "
-                         f"tensor-parallel plan yet; use FSDP, expert, context and pipeline parallelism")
-    if pp > 1 and args.tie_embeddings:
-        raise ValueError(f"parallelism.pipeline_parallel_degree: {label} ties its embeddings across the first and "
-                         f"last stage, which pipelining does not support; use FSDP/EP instead")
-
-
 FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
-                counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
+                counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.deepseek_v3.spec:SPEC",
                 hf_model_type="deepseek_v3")

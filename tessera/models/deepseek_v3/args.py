@@ -35,6 +35,7 @@ class DeepSeekV3Args:
     rope_interleave: bool = True  # the RoPE dims of the weights come in pairs (HF rope_interleave), not halves
     max_seq_len: int = 4096  # length of the RoPE table; set from training.seq_len
     tie_embeddings: bool = False
+    n_mtp: int = 0  # multi-token prediction depths (HF num_nextn_predict_layers): depth k also predicts token i+k+1
 
     qk_norm = False  # not fields: the shared decoder's switches
     attention_bias = False
@@ -63,16 +64,19 @@ class DeepSeekV3Args:
 
 
 # name: dim, layers, heads, q rank, kv rank, nope/rope/v head dims, dense hidden, expert hidden, experts, shared,
-# top-k, score, groups, top groups, route scale, dense first blocks, vocab
+# top-k, score, groups, top groups, route scale, dense first blocks, vocab, MTP depths
 _TABLE = {
-    "debugmodel": (64, 3, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0),  # tests, CPU runs
-    "16B": (2048, 27, 16, 0, 512, 128, 64, 128, 10944, 1408, 64, 2, 6, "softmax", 1, 1, 1.0, 1, 102400),
-    "236B": (5120, 60, 128, 1536, 512, 128, 64, 128, 12288, 1536, 160, 2, 6, "softmax", 8, 3, 16.0, 1, 102400),
-    "671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280),
+    "debugmodel": (64, 3, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0, 0),  # tests, CPU runs
+    "debugmodel_v2": (64, 3, 4, 0, 32, 16, 8, 16, 192, 32, 8, 1, 2, "softmax", 1, 1, 1.0, 1, 0, 0),  # plain query
+    "debugmodel_mtp": (64, 2, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0, 2),
+    "16B": (2048, 27, 16, 0, 512, 128, 64, 128, 10944, 1408, 64, 2, 6, "softmax", 1, 1, 1.0, 1, 102400, 0),
+    "236B": (5120, 60, 128, 1536, 512, 128, 64, 128, 12288, 1536, 160, 2, 6, "softmax", 8, 3, 16.0, 1, 102400, 0),
+    "671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280, 1),
 }
 FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv_lora_rank=kr, qk_nope_head_dim=nope,
                                 qk_rope_head_dim=rope, v_head_dim=v, ffn_hidden=f, moe_hidden=mh, n_experts=e,
                                 n_shared=s, top_k=k, score_func=sf, n_groups=g, top_groups=tg, route_scale=rs,
-                                first_k_dense=fk, vocab_size=vocab, rope_interleave=name == "671B")
-           for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab) in _TABLE.items()}
-TAKES_TOKENIZER_VOCAB = {"debugmodel"}
+                                first_k_dense=fk, vocab_size=vocab, rope_interleave=name in ("671B", "debugmodel"),
+                                n_mtp=mtp)
+           for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab, mtp) in _TABLE.items()}
+TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp"}

@@ -23,36 +23,76 @@ _BIAS = (re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias"),
          re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
 
 
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "norm.weight": "shared_head.norm.weight"}  # ours -> theirs, under model.layers.{L + k}
+# DeepSeek's checkpoints give each MTP layer copies of the embedding and the output head, which it shares.
+_MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+
+
 def to_hf(state: dict) -> dict:
+    """MTP depth k is HF's layer L + k (L blocks): the block's tensors named as a layer's, its own beside them."""
+    n_layers = 1 + max((int(m[1]) for n in state if (m := re.match(r"layers\.(\d+)\.", n))), default=-1)
     out = {}
     for name, value in state.items():
-        if m := _BIAS[0].fullmatch(name):
-            out[f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"] = value
-        elif m := _OURS.fullmatch(name):
-            for e, expert in shared.experts_of(value):
-                out[f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight"] = expert
+        if m := _MTP.fullmatch(name):
+            layer, rest = n_layers + int(m[1]), m[2]
+            if rest in _MTP_OWN:
+                out[f"model.layers.{layer}.{_MTP_OWN[rest]}"] = value
+            else:
+                out.update(_layer_to_hf(f"layers.{layer}.{rest.removeprefix('block.')}", value))
+            if rest == "norm.weight":
+                # Fresh tensors: safetensors refuses shared storage; read back, they fold into the originals.
+                out.update({f"model.layers.{layer}.{k}": state[v].clone() for k, v in _MTP_COPIES.items()
+                            if v in state})
         else:
-            out.update(_NAMES.to_hf({name: value}))
+            out.update(_layer_to_hf(name, value))
     return out
 
 
+def _layer_to_hf(name: str, value) -> dict:
+    if m := _BIAS[0].fullmatch(name):
+        return {f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias": value}
+    if m := _OURS.fullmatch(name):
+        return {f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight": expert
+                for e, expert in shared.experts_of(value)}
+    return _NAMES.to_hf({name: value})
+
+
 def from_hf(state: dict) -> dict:
+    mtp_layers = [int(m[1]) for n in state if (m := re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", n))]
+    first_mtp = min(mtp_layers, default=None)
     out, experts = {}, {}
-    back = {v: k for k, v in _PROJ.items()}
+    back, own = {v: k for k, v in _PROJ.items()}, {v: k for k, v in _MTP_OWN.items()}
     for name, value in state.items():
-        if m := _BIAS[1].fullmatch(name):
-            out[f"layers.{m[1]}.feed_forward.expert_bias"] = value
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        depth = int(m[1]) - first_mtp if m and first_mtp is not None and int(m[1]) >= first_mtp else None
+        if depth is not None and m[2] in own:
+            out[f"mtp.{depth}.{own[m[2]]}"] = value
+        elif depth is not None and m[2] in _MTP_COPIES:
+            out[_MTP_COPIES[m[2]]] = value
+        elif m := _BIAS[1].fullmatch(name):
+            out[_in_depth(f"layers.{m[1]}.feed_forward.expert_bias", first_mtp)] = value
         elif m := _THEIRS.fullmatch(name):
-            experts.setdefault(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", {})[int(m[2])] = value
+            key = _in_depth(f"layers.{m[1]}.feed_forward.experts.{back[m[3]]}", first_mtp)
+            experts.setdefault(key, {})[int(m[2])] = value
         else:
-            out.update(_NAMES.from_hf({name: value}))
+            out.update({_in_depth(k, first_mtp): v for k, v in _NAMES.from_hf({name: value}).items()})
     return {**out, **shared.stack_all(experts)}
+
+
+def _in_depth(name: str, first_mtp: int | None) -> str:
+    """A block tensor of layer L + k -> the MTP depth k's block."""
+    m = re.match(r"layers\.(\d+)\.(.+)", name)
+    if m is None or first_mtp is None or int(m[1]) < first_mtp:
+        return name
+    return f"mtp.{int(m[1]) - first_mtp}.block.{m[2]}"
 
 
 def args_from_hf_config(config: dict) -> DeepSeekV3Args:
     """A `DeepseekV3ForCausalLM` config.json; biases, another activation, RoPE other than plain or YaRN, and
-    key/value heads apart from the query heads are refused. Its MTP layers (num_mtp_layers / nextn) are not
-    read: Tessera's DeepSeek V3 has none yet."""
+    key/value heads apart from the query heads are refused. Its MTP layers (num_nextn_predict_layers, or
+    transformers' num_mtp_layers) are built, so the folder must hold their weights (layers L, L + 1...)."""
     shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
                               ("default", "yarn"))
     heads = shared.positive_int(config, "num_attention_heads")
@@ -81,7 +121,8 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), rope_scaling=yarn,
         rope_interleave=bool(config.get("rope_interleave", True)),
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        n_mtp=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0))
 
 
 def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
@@ -101,4 +142,4 @@ def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | Non
             "num_experts_per_tok": args.top_k, "n_group": args.n_groups, "topk_group": args.top_groups,
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
             "first_k_dense_replace": args.first_k_dense, "rope_interleave": args.rope_interleave,
-            "num_mtp_layers": 0}
+            "num_nextn_predict_layers": args.n_mtp}

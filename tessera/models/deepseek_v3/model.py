@@ -5,11 +5,13 @@ is shared by all heads. Values have a head size of their own."""
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.common.attention import CausalSDPA, KVCache
 from tessera.models.common.decoder import Decoder, TransformerBlock
 from tessera.models.common.rope import apply_rope
+from tessera.models.common.side_loss import SideLoss
 
 
 def _softmax_scale(args) -> float:
@@ -70,10 +72,57 @@ class MLABlock(TransformerBlock):
         return MLA(args)
 
 
+class MTPDepth(nn.Module):
+    """One multi-token prediction depth (DeepSeek V3 section 2.2): the previous depth's hidden states and the
+    embeddings of the tokens one further on, each normed, concatenated and projected, then one block and a norm
+    (the output head is the model's). Its own norm runs in its forward: FSDP gathers a depth's weights there."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = MLABlock(args, layer_id)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, h: torch.Tensor, embeddings: torch.Tensor, rope: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(h)], dim=-1))
+        return self.norm(self.block(x, rope, documents=documents))
+
+
 class DeepSeekV3(Decoder):
-    """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after)."""
+    """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after), and
+    `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side loss)."""
 
     block = MLABlock
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
+            if args.n_mtp else None
+        self.mtp_loss = SideLoss("mtp_loss", "mtp_loss_weight")
+
+    def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
+            return super().forward(tokens, cache, documents)
+        h = self.norm(self.hidden(tokens, documents=documents))
+        # Depth k at position i predicts token i+k+1: its inputs hold the last target but one, so each depth's
+        # last position (whose target is the window's next token) is left out of its loss.
+        losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), tokens[:, k + 1:].flatten())
+                  for k, out in enumerate(self.mtp_logits(h, tokens, documents), 1)]
+        return self.mtp_loss.attach(self.head(h), torch.stack(losses).mean())
+
+    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor,
+                   documents: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...), from the trunk's normed last hidden states
+        and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does)."""
+        out, embeddings = [], self.tok_embeddings(tokens)
+        for k, depth in enumerate(self.mtp.values(), 1):
+            h = depth(h[:, :-1], embeddings[:, k:], self.rope, None if documents is None else documents[:, k:])
+            out.append(self.head(h))
+        return out
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:
         a = self.args  # keys and values expanded per head (the latent itself is not what is cached)

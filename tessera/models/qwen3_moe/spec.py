@@ -1,5 +1,6 @@
 """Qwen 3 MoE's torch side: the shared decoder with MoE blocks and the shared plan. Under TP the attention is
-Qwen 3's; the MoE layer keeps each rank's sequence slice (its experts are split by EP, not TP)."""
+Qwen 3's; a MoE layer keeps each rank's sequence slice (its experts are split by EP, not TP), a dense-first
+block's SwiGLU is split as in the dense models."""
 
 from torch import nn
 
@@ -8,12 +9,8 @@ from tessera.distributed import World
 from tessera.models.common.decoder import Decoder
 from tessera.models.common.plan import parallelize_decoder
 from tessera.models.contract import ModelSpec
-from tessera.models.qwen3.parallelize import BLOCK_TP_PLAN as QWEN3_BLOCK_TP_PLAN
+from tessera.models.qwen3.parallelize import BLOCK_TP_PLAN
 from tessera.models.qwen3_moe import FAMILY
-from tessera.parallel.tp import local_tokens
-
-BLOCK_TP_PLAN = {**{k: v for k, v in QWEN3_BLOCK_TP_PLAN.items() if not k.startswith("feed_forward")},
-                 **local_tokens("feed_forward")}
 
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:

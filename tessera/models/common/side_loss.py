@@ -1,0 +1,38 @@
+"""Training losses a model computes on its own, beside the one on its logits (DeepSeek V3's multi-token
+prediction): the gradient of each starts in backward from the tensor it is attached to, so the loss needs no
+labels of its own and leaves the reported loss as it is; its value is kept for metrics."""
+
+import torch
+from torch import nn
+
+
+class AddLossGrad(torch.autograd.Function):
+    """Identity on `out` whose backward also starts `loss`'s backward (loss already weighted)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_ones(ctx.loss_shape)
+
+
+class SideLoss(nn.Module):
+    """`metric`: its name in metrics; `weight_option`: the `training` option that weights it (0: the model
+    skips it). The trainer sets `weight` and `share` (a micro-batch's part of the step's mean)."""
+
+    def __init__(self, metric: str, weight_option: str):
+        super().__init__()
+        self.metric, self.weight_option = metric, weight_option
+        self.weight, self.share = 0.0, 1.0
+        self.total, self.count = None, 0  # the sum of its unweighted values since the last reset
+
+    def attach(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        self.total = loss.detach() if self.count == 0 else self.total + loss.detach()
+        self.count += 1
+        return AddLossGrad.apply(out, loss * (self.weight * self.share))
+
+    def reset(self) -> None:
+        self.total, self.count = None, 0
