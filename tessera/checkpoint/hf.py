@@ -64,9 +64,8 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
         model_state = get_model_state_dict(model_state)
     family = family or models.family_of(args).name
     hf = models.family(family).hf
-    state = hf.to_hf(model_state)
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
+    # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
+    state = {k: v.to(dtype or v.dtype).contiguous() for k, v in hf.to_hf(model_state).items()}
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # global sizes, also for DTensors
     if dist.is_initialized():  # the file index covers every rank's tensors (pipeline stages hold different ones)
         gathered = [None] * dist.get_world_size()

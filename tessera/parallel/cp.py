@@ -8,7 +8,6 @@ autograd carries the gradients of K and V back to their owners. Scores take (S/C
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -50,11 +49,16 @@ class _AllGather(torch.autograd.Function):
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal attention of this rank's query chunks against the whole sequence's keys and values."""
+    """This rank's query chunks against the whole sequence's keys and values, with the mask (causal, narrowed
+    by a window or chunks) and the sinks of the kernel it replaces (the same parameter, under the same name),
+    computed by that kernel's own `mask` and `attend` functions."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, scale: float | None = None):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module):
         super().__init__()
-        self.group, self.cp_rank, self.cp, self.scale = group, cp_rank, cp, scale
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.scale, self.window, self.chunk = (getattr(kernel, a, None) for a in ("scale", "window", "chunk"))
+        self.sinks = getattr(kernel, "sinks", None)
+        self.mask, self.attend = type(kernel).mask, type(kernel).attend
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
@@ -72,16 +76,15 @@ class ContextParallelAttention(nn.Module):
         out = []
         for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
             end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
-            mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk * size)
-            out.append(F.scaled_dot_product_attention(q[:, :, half * size:(half + 1) * size], keys[:, :, :end],
-                                                      values[:, :, :end], attn_mask=mask, enable_gqa=True,
-                                                      scale=self.scale))
+            mask = self.mask(size, end, self.window, self.chunk, q.device)
+            out.append(self.attend(q[:, :, half * size:(half + 1) * size], keys[:, :, :end], values[:, :, :end],
+                                   mask, self.scale, self.sinks))
         return torch.cat(out, dim=2)
 
 
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) -> None:
-    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one (same score scale)."""
+    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one."""
     for block in blocks.values():
         module = getattr(block, attention)
         module.sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(),
-                                               getattr(module.sdpa, "scale", None))
+                                               module.sdpa)

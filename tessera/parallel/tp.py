@@ -11,7 +11,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -66,6 +66,18 @@ class Replicated(ParallelStyle):
             return _SumTail.apply(out.to_local(), columns, group) if columns else out.to_local()
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=output)
+
+
+class ShardedByHead(ParallelStyle):
+    """A module whose parameters are one value per attention head (GPT-OSS's sinks): each rank keeps its
+    heads' (Shard(0)); the module takes their local part."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(_, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, shard)
 
 
 class _SumTail(torch.autograd.Function):

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.common.rope import apply_rope
 
@@ -23,6 +24,22 @@ def allowed(n_q: int, n_k: int, window: int = 0, chunk: int = 0, device=None) ->
     if chunk:
         ok &= k // chunk == q // chunk
     return ok
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention where `mask` allows; `sinks` [heads]: a logit per head in every softmax's denominator (it takes
+    probability mass and holds no value), computed eagerly. Under TP a rank holds its heads' sinks (a DTensor)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+    sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probs @ v
 
 
 class CausalSDPA(nn.Module):
@@ -45,18 +62,10 @@ class CausalSDPA(nn.Module):
         mask = allowed(n_q, n_k, self.window, self.chunk, q.device)
         if documents is not None:  # [batch, 1 (heads), n_q, n_k]
             mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
-        if self.sinks is not None:
-            return self._with_sinks(q, k, v, mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
+        return masked_attention(q, k, v, mask, self.scale, self.sinks)
 
-    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * (self.scale or 1 / math.sqrt(q.shape[-1]))
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return probs @ v
+    # For a kernel that replaces this one (context parallel) and keeps its masks and sinks.
+    mask, attend = staticmethod(allowed), staticmethod(masked_attention)
 
 
 class KVCache(nn.Module):

@@ -22,14 +22,15 @@ class TransformerBlock(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = self.make_attention(args)
+        self.attention = self.make_attention(args, layer_id)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         sparse = args.moe is not None and layer_id >= args.moe.first_k_dense
         self.feed_forward = MoE(args.dim, args.moe) if sparse else FeedForward(args.dim, args.ffn_hidden)
 
     @staticmethod
-    def make_attention(args) -> nn.Module:
-        """A family with another attention (DeepSeek's MLA) overrides this; forward(x, rope, cache, documents)."""
+    def make_attention(args, layer_id: int) -> nn.Module:
+        """A family with another attention (DeepSeek's MLA, GPT-OSS's windows and sinks) overrides this;
+        forward(x, rope, cache, documents)."""
         return Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qk_norm, args.norm_eps,
                          args.attention_bias)
 
@@ -102,7 +103,7 @@ class Decoder(nn.Module):
         """
         if name.endswith("norm.weight"):
             full.fill_(1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):  # nn.Linear.bias, experts.w1_bias...
             full.zero_()
         elif name == "tok_embeddings.weight":
             full.normal_(0.0, 1.0, generator=gen)

@@ -133,3 +133,22 @@ def stack_all(experts: dict[str, dict[int, object]]) -> dict:
         if stack is not None or next(iter(parts.values())) is None:
             out[name] = stack
     return out
+
+
+def on_experts(fn, *stacks):
+    """`fn` over stacked [E, ...] tensors whose other dimensions it rearranges (a checkpoint's fused or
+    transposed layout): of DTensors (split over experts only) the local stacks, rewrapped the same way, so each
+    rank reads or writes only its experts. None (names only) stays None."""
+    from torch.distributed.tensor import DTensor
+
+    if stacks[0] is None:
+        return None
+    if not isinstance(stacks[0], DTensor):
+        return fn(*stacks)
+    local = fn(*(s.to_local() for s in stacks))
+    shape = (stacks[0].shape[0], *local.shape[1:])
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return DTensor.from_local(local, stacks[0].device_mesh, stacks[0].placements, run_check=False, shape=shape,
+                              stride=tuple(strides))

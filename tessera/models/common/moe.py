@@ -39,38 +39,56 @@ def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]."""
+    """E SwiGLU experts stored stacked: w1 (gate), w3 (up) [E, hidden, dim], w2 [E, dim, hidden]; with `args.bias`
+    w1_bias, w3_bias [E, hidden] and w2_bias [E, dim]."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, grouped: bool = True):
+    def __init__(self, dim: int, args: MoEArgs, grouped: bool = True):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        n, hidden = args.n_experts, args.hidden
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        if args.bias:
+            self.w1_bias, self.w2_bias, self.w3_bias = (nn.Parameter(torch.empty(n, d)) for d in (hidden, dim, hidden))
+        else:
+            self.w1_bias = self.w2_bias = self.w3_bias = None
+        self.limit, self.alpha = args.swiglu_limit, args.swiglu_alpha
         self.grouped = grouped
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.limit:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(self.alpha * gate) * (up + 1)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim]: tokens sorted by expert, `counts` [E] of them each -> [N, dim]."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.w1_bias is not None:  # each row's expert's bias
+            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=len(x))
+            b1, b2, b3 = (_local(b)[rows] for b in (self.w1_bias, self.w2_bias, self.w3_bias))
+        else:
+            b1 = b2 = b3 = 0
         if self.grouped and _grouped_ok(x, w1, w2):
             offsets = counts.cumsum(0).to(torch.int32)
 
             def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(a, w.transpose(-2, -1), offsets)
+        else:  # the oracle: one matmul per expert
+            sizes = counts.tolist()
 
-            x = _ContiguousGrad.apply(x)
-            h = F.silu(mm(x, w1)) * mm(x, w3)
-            return _ContiguousGrad.apply(mm(h, w2))
-        out = []
-        for e, part in enumerate(x.split(counts.tolist())):
-            out.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
-        return torch.cat(out)
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch.cat([F.linear(part, w[e]) for e, part in enumerate(a.split(sizes))])
+        x = _ContiguousGrad.apply(x)
+        h = self._glu(mm(x, w1) + b1, mm(x, w3) + b3)
+        return _ContiguousGrad.apply(mm(h, w2)) + b2
 
 
 class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(dim, args.n_experts, bias=args.bias)
         self.force_balanced = False  # debug: deal tokens to experts round-robin (benchmarks of an even load)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
@@ -78,7 +96,8 @@ class Router(nn.Module):
         """x [T, dim] -> (top-k weights [T, k], their experts [T, k], every expert's score [T, E]).
         `bias` [E] shifts which experts are chosen, not the weights they get."""
         a = self.args
-        logits = F.linear(x.float(), self.gate.weight.float())
+        gate_bias = None if self.gate.bias is None else self.gate.bias.float()
+        logits = F.linear(x.float(), self.gate.weight.float(), gate_bias)
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         choice = scores if bias is None else scores + bias
         if a.n_groups > 1:  # keep the top_groups groups, ranked by the sum of their two best scores
@@ -109,7 +128,7 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = Experts(args.n_experts, dim, args.hidden, grouped)
+        self.experts = Experts(dim, args, grouped)
         self.shared = FeedForward(dim, args.n_shared * args.hidden) if args.n_shared else None
         self.register_buffer("expert_bias", torch.zeros(args.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)

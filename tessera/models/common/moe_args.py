@@ -17,3 +17,6 @@ class MoEArgs:
     top_groups: int = 1
     score_before_experts: bool = False  # weight the expert's input, not its output (Llama 4)
     first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (the decoder's ffn_hidden) instead
+    bias: bool = False  # biases on the router and the experts' projections (GPT-OSS)
+    swiglu_limit: float = 0.0  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, then
+    swiglu_alpha: float = 1.702  # gate * sigmoid(alpha * gate) * (up + 1); limit 0: plain silu(gate) * up

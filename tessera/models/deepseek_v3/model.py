@@ -68,7 +68,7 @@ class MLA(nn.Module):
 
 class MLABlock(TransformerBlock):
     @staticmethod
-    def make_attention(args) -> nn.Module:
+    def make_attention(args, layer_id: int) -> nn.Module:
         return MLA(args)
 
 
