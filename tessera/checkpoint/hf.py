@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFa
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tessera import models
+from tessera.checkpoint import mxfp4
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # as transformers' save_pretrained
@@ -149,7 +150,14 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     for name in scales:
         if name.removesuffix(_SCALE) + ".weight" not in saved:
             raise HFError(f"scale '{name}' in '{folder}' has no weight beside it")
-    for name in saved:
+    quantized = mxfp4.packed(saved)
+    if quantized and _quantization(folder).get("quant_method") != "mxfp4":
+        raise HFError(f"'{folder}' holds MXFP4 blocks ('{min(quantized)}{mxfp4.BLOCKS}') but its config.json has no "
+                      f"mxfp4 quantization_config; add it or pass dequantized weights")
+    parts = {n + suffix for n in quantized for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)}
+    sizes = {**{n: tuple(m.size) for n, m in saved.items() if n not in parts},
+             **{n: mxfp4.shape(saved, n) for n in quantized}}
+    for name in sizes:
         if name in scales:
             continue
         if name not in whole:
@@ -157,17 +165,22 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
             raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
                 f"the model built has no {ours}" if ours else f"no {family} parameter maps to it"))
     for name, t in whole.items():
-        if name not in saved:
+        if name not in sizes:
             raise HFError(f"missing tensor '{name}' (for {_our_name(fam.hf, name)}) in '{folder}'")
-        if tuple(saved[name].size) != tuple(t.shape):
-            raise HFError(f"shape mismatch for '{name}' in '{folder}': checkpoint {list(saved[name].size)}, "
+        if sizes[name] != tuple(t.shape):
+            raise HFError(f"shape mismatch for '{name}' in '{folder}': checkpoint {list(sizes[name])}, "
                           f"model {list(t.shape)}")
     # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
     targets = fam.hf.to_hf(get_model_state_dict(model))
+    reads = {n: t for n, t in targets.items() if n not in quantized}
+    for name in quantized & targets.keys():
+        reads.update(mxfp4.parts(targets[name], saved, name))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(targets, storage_reader=reader)
+        dcp.load(reads, storage_reader=reader)
+    for name in quantized & targets.keys():
+        mxfp4.unpack_into(targets[name], reads[name + mxfp4.BLOCKS], reads[name + mxfp4.SCALES])
     # Not strict: the folder was checked to hold every tensor of the model above; what the adapter leaves out
     # is state HF's format has no place for (an expert selection bias), kept as it is.
     set_model_state_dict(model, fam.hf.from_hf(targets), options=StateDictOptions(strict=False))
@@ -176,14 +189,18 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
 _SCALE = ".weight_scale_inv"
 
 
+def _quantization(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+
+
 def _reader(folder: Path) -> HuggingFaceStorageReader:
     """DCP's reader of the folder; for an FP8 block-quantized checkpoint (config.json quantization_config
     {"quant_method": "fp8", "weight_block_size": [b, b]}, each weight beside its `weight_scale_inv` per block),
     the one that dequantizes each weight to fp32 as it is read (torch's; tested in one process)."""
-    try:
-        quant = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
-        quant = {}
+    quant = _quantization(folder)
     if quant.get("quant_method") != "fp8":
         return HuggingFaceStorageReader(str(folder))
     block = quant.get("weight_block_size") or [128, 128]

@@ -145,7 +145,7 @@ def on_experts(fn, *stacks):
         return None
     if not isinstance(stacks[0], DTensor):
         return fn(*stacks)
-    local = fn(*(s.to_local() for s in stacks))
+    local = fn(*(s.to_local() for s in stacks)).contiguous()  # the wrapper's strides say contiguous
     shape = (stacks[0].shape[0], *local.shape[1:])
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
