@@ -138,6 +138,28 @@ def test_attention_masks_and_sinks_equal_the_spelled_out_softmax(window, chunk, 
         torch.testing.assert_close(sdpa(q[:, :, 7:], k, v), sdpa(q, k, v)[:, :, 7:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window, chunk, sinks, documents", [(0, 0, False, False), (5, 0, True, False),
+                                                             (0, 8, False, True), (5, 0, False, True),
+                                                             (0, 0, True, True)])
+def test_flex_attention_kernel_equals_the_materialized_one(window, chunk, sinks, documents):
+    """The CUDA kernel (FlexAttention, sinks folded in from its log-sum-exp), run here eagerly forward, equals
+    the materialized scores for every mask, with grouped heads, and for queries that are the last positions of
+    the keys (context parallel's chunks). Its backward needs a GPU: benchmarks/check_flex_gpu.py."""
+    from tessera.models.common.attention import attend, flex_attend
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 40, 16, generator=gen) for n in (4, 2, 2))
+    s = torch.randn(4, generator=gen) if sinks else None
+    docs = torch.tensor([[0] * 9 + [1] * 20 + [2] * 11, [0] * 30 + [1] * 10]) if documents else None
+    for n_q in (40, 24):  # the whole sequence; its last 24 positions
+        got = flex_attend(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
+        want = attend(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if sinks:  # and the sink mattered
+        assert not torch.allclose(flex_attend(q[:, :, -24:], k, v, window, chunk, 0.3, None, docs), got, atol=1e-3)
+
+
 def test_block_causal_attention_keeps_packed_documents_apart():
     """Documents packed into one window, with their document numbers: each one's logits are those it has alone
     (RoPE is relative, so its offset in the window does not matter), and differ from plain causal attention."""

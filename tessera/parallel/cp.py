@@ -3,7 +3,8 @@
 Each CP rank holds two of 2·CP equal chunks of every sequence: chunk r and chunk 2·CP−1−r. Under causal
 attention late chunks attend to more keys than early ones, so pairing them balances the work. Attention
 all-gathers K and V over the CP group and each local query chunk attends to the keys at or before it;
-autograd carries the gradients of K and V back to their owners. Scores take (S/CP)·S memory per rank.
+autograd carries the gradients of K and V back to their owners. The kernel is the replaced one's: on CUDA
+FlexAttention keeps no scores; elsewhere they take (S/CP)·S memory per rank.
 """
 
 import torch
@@ -51,14 +52,14 @@ class _AllGather(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """This rank's query chunks against the whole sequence's keys and values, with the mask (causal, narrowed
     by a window or chunks) and the sinks of the kernel it replaces (the same parameter, under the same name),
-    computed by that kernel's own `mask` and `attend` functions."""
+    computed by that kernel's own `attend` function (queries at the last positions of the keys it is given)."""
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module):
         super().__init__()
         self.group, self.cp_rank, self.cp = group, cp_rank, cp
         self.scale, self.window, self.chunk = (getattr(kernel, a, None) for a in ("scale", "window", "chunk"))
         self.sinks = getattr(kernel, "sinks", None)
-        self.mask, self.attend = type(kernel).mask, type(kernel).attend
+        self.attend = type(kernel).attend
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
@@ -76,9 +77,8 @@ class ContextParallelAttention(nn.Module):
         out = []
         for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
             end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
-            mask = self.mask(size, end, self.window, self.chunk, q.device)
             out.append(self.attend(q[:, :, half * size:(half + 1) * size], keys[:, :, :end], values[:, :, :end],
-                                   mask, self.scale, self.sinks))
+                                   self.window, self.chunk, self.scale, self.sinks))
         return torch.cat(out, dim=2)
 
 

@@ -1,13 +1,19 @@
 """Causal self-attention with grouped (GQA) or multi-query (MQA) key/value heads, optional biases, optional
-per-head RMSNorm of queries and keys before RoPE (Qwen 3), masks narrower than causal (a sliding window, or
-chunks attended within), learned attention sinks, and a key/value cache for incremental decoding."""
+per-head RMSNorm of queries and keys before RoPE (Qwen 3), masks narrower than causal (a sliding window, chunks
+attended within, packed documents), learned attention sinks, and a key/value cache for incremental decoding.
 
+Two kernels compute the narrower masks with the same numbers: on CUDA, FlexAttention (blocks the mask rules out
+are skipped, no [queries, keys] scores are kept, and sinks are folded in exactly from its log-sum-exp); elsewhere,
+scores materialized under a boolean mask (FlexAttention has no backward on CPU)."""
+
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from tessera.models.common.rope import apply_rope
 
@@ -42,6 +48,88 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return probs @ v
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
+           scale: float | None = None, sinks: torch.Tensor | None = None,
+           documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
+    own document (`documents` [batch, n_k]: each position's document number), with `sinks`. FlexAttention on
+    CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared memory on an
+    H200) and other devices materialize the scores."""
+    if q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider heads overflow its tiles
+        return flex_attend(q, k, v, window, chunk, scale, sinks, documents)
+    n_q, n_k = q.shape[2], k.shape[2]
+    mask = allowed(n_q, n_k, window, chunk, q.device)
+    if documents is not None:  # [batch, 1 (heads), n_q, n_k]
+        mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
+    return masked_attention(q, k, v, mask, scale, sinks)
+
+
+def _mask_rule(n_q: int, n_k: int, window: int, chunk: int, documents: torch.Tensor | None):
+    """`allowed` (and the documents) as a FlexAttention mask_mod."""
+    offset = n_k - n_q
+
+    def rule(b, h, q_idx, kv_idx):
+        pos = q_idx + offset
+        ok = kv_idx <= pos
+        if window:
+            ok = ok & (kv_idx > pos - window)
+        if chunk:
+            ok = ok & (kv_idx // chunk == pos // chunk)
+        if documents is not None:
+            ok = ok & (documents[b, pos] == documents[b, kv_idx])
+        return ok
+    return rule
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(n_q: int, n_k: int, window: int, chunk: int, device: torch.device):
+    return create_block_mask(_mask_rule(n_q, n_k, window, chunk, None), None, None, n_q, n_k, device=device,
+                             _compile=device.type == "cuda")  # compiled, it never holds the [n_q, n_k] mask
+
+
+_documents_mask: list = [None, None]  # (key, mask): every layer of a forward asks for the same documents' mask
+
+
+@torch.compiler.disable  # built eagerly, then an input of the compiled attention
+def block_mask(n_q: int, n_k: int, window: int, chunk: int, device: torch.device,
+               documents: torch.Tensor | None = None):
+    if documents is None:
+        return _block_mask(n_q, n_k, window, chunk, torch.device(device))
+    key = (documents, n_q, n_k, window, chunk)  # the tensor itself: held here, its storage is never reused
+    if not (_documents_mask[0] and _documents_mask[0][0] is documents and _documents_mask[0][1:] == key[1:]):
+        rule = _mask_rule(n_q, n_k, window, chunk, documents)
+        _documents_mask[:] = key, create_block_mask(rule, documents.shape[0], None, n_q, n_k, device=device,
+                                                    _compile=documents.is_cuda)
+    return _documents_mask[1]
+
+
+_compiled_flex: list = []  # made on first use: torch.compile costs seconds at import
+
+
+def _flex_kernel(device: torch.device):
+    """Compiled on CUDA, where it is a fused kernel (inside a compiled block, the block's compile takes it in)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    if not _compiled_flex:
+        _compiled_flex.append(torch.compile(flex_attention))
+    return _compiled_flex[0]
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
+                scale: float | None = None, sinks: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend` by FlexAttention (compiled on CUDA; eager elsewhere, forward only). A sink s joins each
+    softmax's denominator: out · e^lse / (e^lse + e^s) = out · sigmoid(lse − s), exact, and differentiable
+    through the log-sum-exp."""
+    mask = block_mask(q.shape[2], k.shape[2], window, chunk, q.device, documents)
+    kernel = _flex_kernel(q.device)
+    if sinks is None:
+        return kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    out, aux = kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+    return out * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+
+
 class CausalSDPA(nn.Module):
     """The attention kernel, a module of its own so a parallelism (context parallel) can swap it. Queries are
     the last positions of the keys (all of them in training; the new ones when decoding with a cache).
@@ -56,16 +144,13 @@ class CausalSDPA(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
-        n_q, n_k = q.shape[2], k.shape[2]
-        if n_q == n_k and not (self.window or self.chunk or self.sinks is not None or documents is not None):
+        if q.shape[2] == k.shape[2] and not (self.window or self.chunk or self.sinks is not None
+                                             or documents is not None):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
-        mask = allowed(n_q, n_k, self.window, self.chunk, q.device)
-        if documents is not None:  # [batch, 1 (heads), n_q, n_k]
-            mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
-        return masked_attention(q, k, v, mask, self.scale, self.sinks)
+        return attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents)
 
     # For a kernel that replaces this one (context parallel) and keeps its masks and sinks.
-    mask, attend = staticmethod(allowed), staticmethod(masked_attention)
+    attend = staticmethod(attend)
 
 
 class KVCache(nn.Module):
