@@ -1,10 +1,25 @@
 """The HF round trip every family's test makes: logits after import and after export equal transformers', and
 greedy generation equals theirs."""
 
+import dataclasses
+
 import torch
 
-from tessera.checkpoint.hf import save_hf
+from tessera.checkpoint.hf import load_hf, save_hf
 from tessera.generate import from_pretrained, generate
+from tessera.models import family, hf_args
+
+
+def import_hf(name: str, folder, seq: int = 32):
+    """(model, args): family `name`'s model of the HF folder's config.json, a RoPE table of `seq` positions, its
+    weights loaded; eval mode, on CPU."""
+    args = dataclasses.replace(hf_args(name, str(folder)), max_seq_len=seq)
+    with torch.device("meta"):
+        model = family(name).spec().model(args)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    load_hf(model.eval(), folder)
+    return model, args
 
 
 def assert_round_trip(theirs, ours, args, hf_class, folder, tmp_path, vocab_size: int = 97) -> None:

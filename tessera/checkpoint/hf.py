@@ -141,6 +141,10 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
         raise HFError(f"cannot read the safetensors files in '{folder}': {type(e).__name__}: {e}") from None
     fam = models.family(family)
+    # An adapter may read the model under other names beside other models' tensors (Llama 4's multimodal
+    # releases): stored_names maps each stored name to its to_hf name, or to None (not the model's).
+    stored = fam.hf.stored_names(saved) if hasattr(fam.hf, "stored_names") else {n: n for n in saved}
+    saved = {stored[n]: m for n, m in saved.items() if stored[n] is not None}
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
         whole = fam.hf.to_hf(fam.spec().model(args).state_dict())
     scales = {n for n in saved if n.endswith(_SCALE)}
@@ -178,7 +182,8 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         reads.update(mxfp4.parts(targets[name], saved, name))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(reads, storage_reader=reader)
+        where = {ours: name for name, ours in stored.items() if ours is not None}
+        dcp.load({where.get(n, n): t for n, t in reads.items()}, storage_reader=reader)
     for name in quantized & targets.keys():
         mxfp4.unpack_into(targets[name], reads[name + mxfp4.BLOCKS], reads[name + mxfp4.SCALES])
     # Not strict: the folder was checked to hold every tensor of the model above; what the adapter leaves out

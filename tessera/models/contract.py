@@ -15,7 +15,8 @@ class HFAdapter(Protocol):
     """Hugging Face in and out: whole state dicts (so an adapter may rename, stack, split, permute or
     dequantize) and config.json both ways. Loading reads the checkpoint into `to_hf(model_state)`, so its
     values must be the given tensors themselves or views of them (or fresh tensors that `from_hf` folds
-    back, e.g. scales), for plain tensors and DTensor shards alike; `from_hf` of that is set into the model."""
+    back, e.g. scales), for plain tensors and DTensor shards alike; `from_hf` of that is set into the model.
+    Optional: `stored_names(names)`, {name in a folder: its to_hf name, or None for another model's tensor}."""
 
     def to_hf(self, state: dict) -> dict: ...
 
