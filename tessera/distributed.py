@@ -73,6 +73,7 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+        _timeout.update(seconds=timeout_s)
     # Under EP the shard axis splits in two: the ranks outside one EP group, and those inside it.
     shard = [("dp_shard_mod_ep", dims.dp_shard // dims.shard_in_ep), ("dp_shard_in_ep", dims.shard_in_ep)] \
         if dims.ep > 1 else [("dp_shard", dims.dp_shard)]
@@ -86,6 +87,25 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
         groups["ep"] = ("dp_shard_in_ep", "cp", "tp")
     flat = {name: mesh[axes_]._flatten(name) for name, axes_ in groups.items()}
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
+
+
+_timeout = {"seconds": 600, "key": "comm.init_timeout_seconds"}  # the one in force, for the message when it ends a run
+
+
+def set_timeout(seconds: int, key: str) -> None:
+    """Every process group's collective timeout, the mesh's groups included (`key`: the option that set it)."""
+    _timeout.update(seconds=seconds, key=key)
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def timeout_message(error: BaseException) -> str | None:
+    """For a collective that waited past its timeout (gloo raises a RuntimeError saying so), why and what to do."""
+    if not (isinstance(error, RuntimeError) and "timed out" in str(error).lower()):
+        return None
+    return (f"a collective waited longer than {_timeout['key']} = {_timeout['seconds']} s: another rank is stuck "
+            f"or gone (its log says which), or the wait is legitimately longer (raise {_timeout['key']})")
 
 
 def _joined(replicate: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:

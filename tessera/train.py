@@ -13,16 +13,23 @@ from tessera.checkpoint.hf import HFError
 from tessera.checkpoint.manager import CorruptCheckpoint
 from tessera.config import ConfigError, help_text, parse_args
 from tessera.config.validate import validate
-from tessera.distributed import World, init_world, shutdown, world_size_from_env
+from tessera.distributed import World, init_world, set_timeout, shutdown, timeout_message, world_size_from_env
+from tessera.experts import reset_statistics
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
 from tessera.parallel.tp import local, loss_context
+from tessera.profiling import dump_cuda_snapshot, profiled
+from tessera.report import write_report
 from tessera.trainer import Trainer, build_trainer
 
 log = logging.getLogger("tessera")
 
 
 class NonFiniteError(RuntimeError):
+    pass
+
+
+class CommTimeout(RuntimeError):
     pass
 
 
@@ -82,18 +89,35 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     loss_total = pp_share(loss_total, tr)
     grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm,
                                 pp_group=tr.pipeline.group if tr.pipeline else None)
-    # Recorded on the device and checked at log and save time: a check per step would stall the GPU queue.
-    bad = ~torch.isfinite(loss_total + grad_norm)
-    if tr.first_nonfinite is None:
-        tr.first_nonfinite = torch.full((), float("inf"), device=tr.world.device)
-    tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.step + 1), tr.first_nonfinite)
-    tr.optimizer.step()
-    if tr.after_optimizer_step is not None:
-        tr.after_optimizer_step()
-    if tr.balancer is not None:
-        tr.balancer.after_step()
+    if tr.cfg.training.nonfinite_policy == "skip" and not torch.isfinite(grad_norm).item():  # the same on every rank
+        skip_update(tr)
+    else:
+        # Recorded on the device and checked at log and save time: a check per step would stall the GPU queue.
+        bad = ~torch.isfinite(loss_total + grad_norm)
+        if tr.first_nonfinite is None:
+            tr.first_nonfinite = torch.full((), float("inf"), device=tr.world.device)
+        tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.step + 1), tr.first_nonfinite)
+        tr.optimizer.step()
+        if tr.after_optimizer_step is not None:
+            tr.after_optimizer_step()
+        if tr.balancer is not None:
+            tr.balancer.after_step()
     tr.scheduler.step()
     return loss_total, grad_norm, data_s
+
+
+def skip_update(tr: Trainer) -> None:
+    """training.nonfinite_policy = skip: a step with non-finite gradients changes no weight, no optimizer state
+    and no expert bias (its load statistics are dropped)."""
+    tr.skipped_steps += 1
+    limit = tr.cfg.training.max_skipped_steps
+    if tr.skipped_steps > limit:
+        raise NonFiniteError(f"step {tr.step + 1}: non-finite grad norm, {tr.skipped_steps} skipped steps, more than "
+                             f"training.max_skipped_steps = {limit}; lower optimizer.lr or check the data")
+    log.warning(f"step {tr.step + 1}: non-finite grad norm; skipped, no update ({tr.skipped_steps} of at most {limit})")
+    tr.optimizer.zero_grad()
+    if tr.balancer is not None:
+        reset_statistics(tr.balancer.layers)
 
 
 def raise_if_nonfinite(tr: Trainer) -> None:
@@ -120,39 +144,52 @@ def train(tr: Trainer) -> None:
     tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
     first_step = tr.step
-    while tr.step < t.steps:
-        lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
-        loss, grad_norm, data_s = train_step(tr)
-        if tr.cfg.compile.enable and tr.step == first_step:
-            log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation included")
-        tr.step += 1
-        tr.tokens_seen += int(tokens_per_step * tr.world.size)
-        window_data_s, window_steps = window_data_s + data_s, window_steps + 1
-        last = tr.step == t.steps
-        if tr.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.step, last):
-            raise_if_nonfinite(tr)
-        if tr.step % m.log_freq == 0 or last:
-            if tr.world.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - window_start
-            tps = tokens_per_step * window_steps / elapsed
-            stall, tr.checkpointer.stall_s = tr.checkpointer.stall_s, 0.0
-            record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
-                      "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
-                      "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
-                      "data_share": window_data_s / elapsed, "checkpoint_stall_s": stall}
-            if tr.balancer is not None:
-                record.update(tr.balancer.metrics(tr.world.device))
-            record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
-            tr.metrics.log(tr.step, record)
-            tr.history.append({"step": tr.step, **record})
-            window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
-        if tr.checkpointer.should_save(tr.step, last):  # before validation: nothing after it can lose a save
-            tr.checkpointer.save(tr, last)
-        if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
-            tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
-            window_start = time.perf_counter()
+    with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step:
+        while tr.step < t.steps:
+            lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
+            loss, grad_norm, data_s = train_step(tr)
+            if tr.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
+                set_timeout(tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
+                if tr.cfg.compile.enable:
+                    log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation "
+                             f"included")
+            tr.step += 1
+            after_step()
+            tr.tokens_seen += int(tokens_per_step * tr.world.size)
+            window_data_s, window_steps = window_data_s + data_s, window_steps + 1
+            last = tr.step == t.steps
+            if tr.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.step, last):
+                raise_if_nonfinite(tr)
+            if tr.step % m.log_freq == 0 or last:
+                log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start)
+                window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
+            if tr.checkpointer.should_save(tr.step, last):  # before validation: nothing after it can lose a save
+                tr.checkpointer.save(tr, last)
+            if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
+                tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
+                window_start = time.perf_counter()
     tr.checkpointer.wait()
+
+
+def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: float, data_s: float,
+               start: float) -> None:
+    """The metrics of the steps since the last log (`tokens` per device in them), at the last one's step."""
+    if tr.world.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tps = tokens / elapsed
+    stall, tr.checkpointer.stall_s = tr.checkpointer.stall_s, 0.0
+    record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
+              "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
+              "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
+              "data_share": data_s / elapsed, "checkpoint_stall_s": stall}
+    if tr.cfg.training.nonfinite_policy == "skip":
+        record["skipped_steps"] = tr.skipped_steps
+    if tr.balancer is not None:
+        record.update(tr.balancer.metrics(tr.world.device))
+    record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
+    tr.metrics.log(tr.step, record)
+    tr.history.append({"step": tr.step, **record})
 
 
 def summarize(tr: Trainer) -> None:
@@ -178,7 +215,7 @@ def summarize(tr: Trainer) -> None:
 def _fail(error: BaseException, code: int) -> int:
     """One line for the whole job, and the exit status. Under tessera.launch each rank leaves the line in its
     torchelastic error file and the launcher prints the first failure's; otherwise rank 0 prints it."""
-    report(f"{error}" if code == 2 or isinstance(error, (NonFiniteError, CorruptCheckpoint))
+    report(f"{error}" if code == 2 or isinstance(error, (NonFiniteError, CorruptCheckpoint, CommTimeout))
            else f"{type(error).__name__}: {error}")
     return code
 
@@ -202,9 +239,9 @@ def main(argv: list[str]) -> int:
         dims = validate(cfg, world_size_from_env())
     except ConfigError as e:
         return _fail(e, 2)
-    world = init_world(dims)
+    world = init_world(dims, cfg.comm.init_timeout_seconds)
     setup_logging(world.rank)
-    clean = False
+    clean, tr = False, None
     try:
         tr = build_trainer(cfg, world)
         if cfg.checkpoint.create_seed_checkpoint:
@@ -212,6 +249,8 @@ def main(argv: list[str]) -> int:
         else:
             train(tr)
             summarize(tr)
+            if world.rank == 0:
+                write_report([cfg.job.dump_folder])
         tr.metrics.close()
         clean = True
     except (ConfigError, HFError) as e:  # bad input found once ranks run: the tokenizer, data, checkpoints
@@ -219,6 +258,10 @@ def main(argv: list[str]) -> int:
     except (NonFiniteError, CorruptCheckpoint) as e:
         return _fail(e, 1)
     except Exception as e:  # a fault: its traceback follows; the launcher names the rank
+        if why := timeout_message(e):
+            return _fail(CommTimeout(f"{f'step {tr.step + 1}' if tr else 'start-up'}: {why}"), 1)
+        if isinstance(e, torch.OutOfMemoryError) and cfg.profiling.enable_memory_snapshot:
+            dump_cuda_snapshot(cfg, world.rank, "oom")
         _fail(e, 1)
         raise
     finally:

@@ -68,6 +68,7 @@ class Trainer:
     step: int = 0
     tokens_seen: int = 0
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
+    skipped_steps: int = 0  # training.nonfinite_policy = skip: steps with non-finite gradients, not applied
     history: list[dict] = field(default_factory=list)
 
 

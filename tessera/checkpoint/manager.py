@@ -124,7 +124,7 @@ class Checkpointer:
             model = {k: v.to(dtype) for k, v in model.items()}
         if model_only:
             return {"model": model}
-        train = {"train_state": {"step": tr.step, "tokens_seen": tr.tokens_seen},
+        train = {"train_state": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps},
                  "lr_scheduler": tr.scheduler.state_dict(),
                  "dataloader": tr.loader.state_dict(),
                  "rng": {"cpu": torch.get_rng_state(),
@@ -273,6 +273,7 @@ class Checkpointer:
     def _load_train_state(tr, train: dict, excluded: set[str]) -> None:
         if "train_state" not in excluded:
             tr.step, tr.tokens_seen = train["train_state"]["step"], train["train_state"]["tokens_seen"]
+            tr.skipped_steps = train["train_state"].get("skipped_steps", 0)
         if "lr_scheduler" not in excluded:
             resume_lr(tr.scheduler, train["lr_scheduler"])
         if "dataloader" not in excluded:

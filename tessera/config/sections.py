@@ -93,6 +93,11 @@ class Training:
                                      choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = opt(False, "keep sharded params, grads and optimizer state in CPU memory (FSDP2)")
+    nonfinite_policy: str = opt("stop", "a step whose loss or grad norm is not finite: stop (the run ends naming it; "
+                                "no checkpoint is saved after it) or skip (no update: counted, logged, and the run "
+                                "goes on; costs a host sync per step)", choices=("stop", "skip"))
+    max_skipped_steps: int = opt(10, "with nonfinite_policy = skip: one more skipped step than this stops the run",
+                                 min=0)
 
 
 @dataclass
@@ -150,6 +155,27 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(600, "seconds a collective may wait until the first step is done (start-up, "
+                                    "checkpoint loading, the first compile)", min=1)
+    train_timeout_seconds: int = opt(300, "seconds a collective may wait after that: a stuck or dead rank ends the run "
+                                     "with a line naming the step (gloo; NCCL's watchdog aborts with its own), not a "
+                                     "hang", min=1)
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "torch.profiler traces every profile_freq steps, one file per rank "
+                                 "(<save_traces_folder>/iteration_N/rankR_trace.json: Perfetto, chrome://tracing)")
+    save_traces_folder: str = opt("profile_traces", "profiler traces folder inside dump_folder")
+    profile_freq: int = opt(10, "profile the last step of every N (the two before it warm the profiler up)", min=3)
+    enable_memory_snapshot: bool = opt(False, "CUDA: the allocator's history (a pickle for pytorch.org/memory_viz) "
+                                       "every profile_freq steps and when a run dies out of memory; CPU: the "
+                                       "profiler's memory timeline (an HTML file) with each trace")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "memory snapshot folder inside dump_folder")
 
 
 @dataclass
@@ -239,6 +265,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
     metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

@@ -1,0 +1,44 @@
+"""`torchrun ... tests/faults.py [train flags]`: tessera.train with a fault injected, for tests of how runs end.
+
+TESSERA_TEST_STALL="rank:step:seconds": that rank sleeps before that step (a stuck rank, for comm timeouts).
+TESSERA_TEST_NAN_STEPS="3,4": those steps' gradients are NaN on every rank (for the non-finite policy).
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from tessera import train
+
+
+def faulty(step_fn, stall: str = "", nan_steps: frozenset = frozenset()):
+    """`step_fn` (tessera.train.train_step) with the faults above."""
+    def faulty_step(tr):
+        if stall:
+            rank, step, seconds = (float(x) for x in stall.split(":"))
+            if tr.world.rank == int(rank) and tr.step + 1 == int(step):
+                time.sleep(seconds)
+        if tr.step + 1 not in nan_steps:
+            return step_fn(tr)
+        clip = train.clip_grad_norm_
+
+        def poisoned(params, *a, **kw):
+            params = list(params)
+            for p in params:
+                p.grad.fill_(float("nan"))
+            return clip(params, *a, **kw)
+        train.clip_grad_norm_ = poisoned
+        try:
+            return step_fn(tr)
+        finally:
+            train.clip_grad_norm_ = clip
+    return faulty_step
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    train.train_step = faulty(train.train_step, os.environ.get("TESSERA_TEST_STALL", ""),
+                              frozenset(int(s) for s in os.environ.get("TESSERA_TEST_NAN_STEPS", "").split(",") if s))
+    sys.exit(train.main(sys.argv[1:]))
