@@ -12,6 +12,7 @@ Hugging Face folder. Its architecture is what the checkpoint records (or config.
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import warnings
@@ -24,6 +25,9 @@ from tessera.checkpoint.folder import read_model_record, read_saved_config, resu
 from tessera.checkpoint.hf import HFError, load_hf
 from tessera.config import ConfigError, parse_args
 from tessera.data.tokenizer import build_tokenizer
+
+log = logging.getLogger("tessera")
+DEFAULT_MAX_SEQ_LEN = 131072  # RoPE positions from_pretrained builds unless asked for more
 
 
 def _device(name: str) -> torch.device:
@@ -56,14 +60,18 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     """(model in eval mode on `device`, its tokenizer) from a Hugging Face folder (config.json + safetensors)
     or a Tessera checkpoint: a step folder, a checkpoint root or a dump folder (its newest checkpoint).
     `hf`: which of the two (default: a folder holding config.json and no DCP .metadata is HF);
-    `max_seq_len`: positions the RoPE table covers (default: what the checkpoint or config.json says)."""
+    `max_seq_len`: positions the RoPE table covers (default: what the checkpoint or config.json says, at most
+    DEFAULT_MAX_SEQ_LEN)."""
     path, device = str(path), torch.device(device)
     hf = hf if hf is not None else (os.path.isfile(os.path.join(path, "config.json"))
                                     and not os.path.isfile(os.path.join(path, ".metadata")))
     if hf:
         with open(os.path.join(path, "config.json")) as fh:
-            model_type = json.load(fh).get("model_type")
-        fam = next((models.family(n) for n in models.FAMILIES if models.family(n).hf_model_type == model_type), None)
+            config = json.load(fh)
+        # A multimodal release (Llama 4's) names its language model's type in text_config.
+        model_type = config.get("model_type")
+        types = {model_type, (config.get("text_config") or {}).get("model_type")}
+        fam = next((models.family(n) for n in models.FAMILIES if models.family(n).hf_model_type in types), None)
         if fam is None:
             raise HFError(f"{path}/config.json: model_type {model_type!r} is none of Tessera's families' "
                           f"({', '.join(models.family(n).hf_model_type for n in models.FAMILIES)})")
@@ -81,6 +89,10 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         name, args = models.args_from_json(record)
         fam = models.family(name)
         assets = hf_assets_path or read_saved_config(path).get("model", {}).get("hf_assets_path", "")
+    if not max_seq_len and args.max_seq_len > DEFAULT_MAX_SEQ_LEN:  # Llama 4's 10M positions: a 15 GB table
+        log.info(f"RoPE table for {DEFAULT_MAX_SEQ_LEN:,} of the model's {args.max_seq_len:,} positions; pass "
+                 f"max_seq_len for more")
+        max_seq_len = DEFAULT_MAX_SEQ_LEN
     if max_seq_len:
         args = dataclasses.replace(args, max_seq_len=max_seq_len)
     model = _build(fam, args, device)

@@ -6,10 +6,12 @@ does not compute refused naming the field; FSDP, EP, CP, TP, PP and an 8-rank co
 the debug model trains."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from tessera.generate import from_pretrained
 from tessera.models import family, hf_args, num_params
 from tests.hf_parity import assert_round_trip, import_hf
 
@@ -115,6 +117,16 @@ def test_a_released_multimodal_checkpoint_imports_its_text_model(tmp_path):
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+        # from_pretrained finds the family through text_config, and keeps the RoPE table at most 128k long
+        model, _ = from_pretrained(tmp_path / "mm")
+        torch.testing.assert_close(model(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert model.rope.shape[0] == 64  # the config's max_position_embeddings, under the cap
+    with open(tmp_path / "mm" / "config.json") as fh:
+        config = json.load(fh)
+    config["text_config"]["max_position_embeddings"] = 10_485_760  # Scout's
+    with open(tmp_path / "mm" / "config.json", "w") as fh:
+        json.dump(config, fh)
+    assert from_pretrained(tmp_path / "mm")[0].rope.shape[0] == 131072
 
 
 def _config(**changes) -> dict:
