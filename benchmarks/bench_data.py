@@ -50,15 +50,21 @@ def paragraphs(split: str, seed: int, epoch: int) -> Iterator[str]:
         yield from (part for part in text.split("\n\n") if part.strip())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def loader_options(doc: str, warmup: int, steps: int, degrees: str) -> argparse.ArgumentParser:
+    """The options the data benchmarks share (this one and bench_prepared.py)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--local_batch_size", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=16, help="untimed batches per loader first")
-    p.add_argument("--steps", type=int, default=32, help="timed batches per loader")
-    p.add_argument("--degrees", default="1,2,4,8", help="DP degrees; rank 0 of each is measured")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed batches per loader first")
+    p.add_argument("--steps", type=int, default=steps, help="timed batches per loader")
+    p.add_argument("--degrees", default=degrees, help="DP degrees; rank 0 of each is measured")
     p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained on the built-in corpus")
     p.add_argument("--train_docs", type=int, default=300, help="documents the tokenizer is trained on")
+    return p
+
+
+def main() -> None:
+    p = loader_options(__doc__, 16, 32, "1,2,4,8")
     p.add_argument("--out", default=str(RESULTS / "data.json"))
     a = p.parse_args()
 

@@ -5,10 +5,11 @@
         [--out benchmarks/results/gpu.json]
 
 Each (flavor, config) runs in its own subprocess (no compile cache or memory carried over) and prints
-tokens/s, MFU against a bf16 GEMM measured in that process and against the datasheet peak, and peak
-allocated memory. A config that runs out of memory is reported as OOM. The whole run stops after
---budget_s seconds (a config still running is reported as timeout, later ones as skipped), so it fits
-one call of under 8 minutes.
+tokens/s, MFU against a bf16 GEMM measured in that process and against the datasheet peak, peak
+allocated memory, and the peak `python -m tessera.estimate` predicts for the same config before any GPU memory is
+allocated (it traces compiled blocks eagerly, so for compiled configs it is an upper bound). A config that runs
+out of memory is reported as OOM. The whole run stops after --budget_s seconds (a config still running is reported
+as timeout, later ones as skipped), so it fits one call of under 8 minutes.
 """
 
 import argparse
@@ -47,8 +48,10 @@ def child(a) -> dict:
         return {"status": f"skipped: {e}"}
     gemm = measure_gemm_peak(device, *gemm_setup(device))
     tps = t["steps_per_s"] * a.batch * a.seq_len
+    from tessera.estimate.core import estimate
     return {"status": "ok", "tokens_per_s": tps, "mfu": tps * tr.flops_per_token / gemm,
             "mfu_datasheet": tps * tr.flops_per_token / tr.peak_flops, "peak_memory_gib": peak_memory_gib(device),
+            "estimate_gib": estimate(tr.cfg, tr.world.size, "cuda").peak / 2**30,
             "first_step_s": t["first_step_s"], "loss": t["loss"], "gemm_peak_tflops": gemm / 1e12}
 
 
@@ -93,7 +96,7 @@ def main() -> None:
     start, rows = time.perf_counter(), []
     print(f"{torch.cuda.get_device_name()}, seq {a.seq_len}, {a.warmup} warm-up + {a.steps} timed steps", flush=True)
     print(f"{'flavor':<6} {'config':<20} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'MFU ds':>6} {'peak GiB':>9} "
-          f"{'1st step s':>10}  status", flush=True)
+          f"{'estimate':>9} {'1st step s':>10}  status", flush=True)
     for flavor in a.flavors.split(","):
         for config in a.configs.split(","):
             left = a.budget_s - (time.perf_counter() - start)
@@ -102,11 +105,11 @@ def main() -> None:
             rows.append({"flavor": flavor, "config": config, "batch": b, "seq_len": a.seq_len, **r})
             if r["status"] == "ok":
                 print(f"{flavor:<6} {config:<20} {b:>5} {r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} "
-                      f"{r['mfu_datasheet']:>6.1%} {r['peak_memory_gib']:>9.1f} {r['first_step_s']:>10.1f}  ok",
-                      flush=True)
+                      f"{r['mfu_datasheet']:>6.1%} {r['peak_memory_gib']:>9.1f} {r['estimate_gib']:>9.1f} "
+                      f"{r['first_step_s']:>10.1f}  ok", flush=True)
             else:
-                print(f"{flavor:<6} {config:<20} {b:>5} {'':>10} {'':>6} {'':>6} {'':>9} {'':>10}  {r['status']}",
-                      flush=True)
+                print(f"{flavor:<6} {config:<20} {b:>5} {'':>10} {'':>6} {'':>6} {'':>9} {'':>9} {'':>10}  "
+                      f"{r['status']}", flush=True)
     write_json(a.out, {"device": torch.cuda.get_device_name(), "warmup": a.warmup, "steps": a.steps,
                        "wall_s": time.perf_counter() - start, "results": rows})
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The CPU benchmark suite in one command (~10 minutes on 2 cores), then a summary of every ratio with its target.
-# JSON lands in benchmarks/results/ (or $OUT): trainer.json, features.json, cp.json, data.json, moe.json,
-# summary.json.
+# JSON lands in benchmarks/results/ (or $OUT): trainer.json, features.json, cp.json, data.json, prepared.json,
+# moe.json, summary.json.
 # The sizes below trade time for noise; each script's --help lists its options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results}
-rm -f "$OUT"/trainer.json "$OUT"/features.json "$OUT"/cp.json "$OUT"/data.json "$OUT"/moe.json "$OUT"/summary.json
+rm -f "$OUT"/trainer.json "$OUT"/features.json "$OUT"/cp.json "$OUT"/data.json "$OUT"/moe.json "$OUT"/summary.json \
+    "$OUT"/prepared.json
 
 echo "== 1-3: trainer vs plain eager loop, + compile, MFU, FSDP 2 ranks"
 $PY benchmarks/bench_trainer.py --compile --fsdp --steps 15 --warmup 2 --rounds 5 --out "$OUT/trainer.json"
@@ -19,6 +20,8 @@ echo; echo "== context parallel"
 $PY benchmarks/bench_cp.py --seq_len 2048 --steps 2 --degrees 1,2,4 --out "$OUT/cp.json"
 echo; echo "== data loading at DP 1-8"
 $PY benchmarks/bench_data.py --out "$OUT/data.json"
+echo; echo "== prepared (pre-tokenized) data vs the streaming loader at DP 1, 8, 64; prepare's tokens/s"
+$PY benchmarks/bench_prepared.py --out "$OUT/prepared.json"
 echo; echo "== mixture of experts: grouped GEMMs vs loop, EP dispatch share at EP 2 and 4"
 $PY benchmarks/bench_moe.py --out "$OUT/moe.json"
 $PY benchmarks/summary.py --results "$OUT"

@@ -29,11 +29,17 @@ def data_row(doc: dict, degree: int):
     return next((r["ratio"] for r in (doc or {}).get("results", []) if r["dp"] == degree), None)
 
 
+def prepared_row(doc: dict, degree: int, what: str):
+    """prepared / streaming loader's `what` (ms_per_step, mib_read_per_step) at DP `degree`."""
+    row = next((r for r in (doc or {}).get("loaders", []) if r["dp"] == degree), None)
+    return row and row[f"{what}_prepared"] / row[f"{what}_streaming"]
+
+
 def ep_row(doc: dict, ranks: int, key: str):
     return next((r[key] for r in (doc or {}).get("ep", []) if r["ranks"] == ranks), None)
 
 
-def rows(t: dict, f: dict, c: dict, d: dict, m: dict) -> list[tuple]:
+def rows(t: dict, f: dict, c: dict, d: dict, m: dict, p: dict | None = None) -> list[tuple]:
     """(what, value, format, target, check or None)."""
     def ac(mode: str, key: str):
         return get(f, f"ac.{mode}.{key}")
@@ -70,6 +76,12 @@ def rows(t: dict, f: dict, c: dict, d: dict, m: dict) -> list[tuple]:
          lambda v: v < cp_row(c, 2, "memory_ratio")),
         ("data, DP 8: rank's loader time, 64 / 1 streams", data_row(d, 8), ".3f", "~1/8 (<= 0.25)",
          lambda v: v <= 0.25),
+        ("data, DP 64: loader time, prepared / streaming", prepared_row(p, 64, "ms_per_step"), ".3f", "< 1.0",
+         lambda v: v < 1.0),
+        ("data, DP 64: bytes read, prepared / streaming", prepared_row(p, 64, "mib_read_per_step"), ".4f",
+         "report (~1/64)", None),
+        ("prepare: tokens per CPU-second of its tasks", next((r["tokens_per_cpu_second"] for r in (p or {}).get(
+            "prepare", [])), None), ",.0f", "report", None),
         ("MoE layer: grouped GEMMs / per-expert loop", get(m, "layer.grouped_over_loop"), ".3f", ">= 1.0",
          lambda v: v >= 1.0),
         ("EP 2: all-to-all share of the step", ep_row(m, 2, "dispatch_share"), ".1%", "report", None),
@@ -83,7 +95,7 @@ def main() -> None:
     a = p.parse_args()
     docs = [json.loads(path.read_text()) if path.exists() else {}
             for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json",
-                                                      "moe.json"))]
+                                                      "moe.json", "prepared.json"))]
     table = []
     print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
     for what, value, fmt, target, check in rows(*docs):

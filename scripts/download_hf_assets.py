@@ -14,6 +14,10 @@ ASSETS = {
     "tokenizer": ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"],
     "config": ["config.json", "generation_config.json"],
     "safetensors": ["*.safetensors", "model.safetensors.index.json"],
+    # A FLUX.1 release (diffusers layout): the frozen encoders and VAE (flux.encoders), the transformer to import.
+    "flux_encoders": ["model_index.json", "text_encoder/*", "text_encoder_2/*", "tokenizer/*", "tokenizer_2/*",
+                      "vae/*"],
+    "flux_transformer": ["transformer/*"],
 }
 
 

@@ -74,6 +74,11 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
         _timeout.update(seconds=timeout_s)
+    return mesh_world(dims, rank, local_rank, device)
+
+
+def mesh_world(dims: ParallelDims, rank: int, local_rank: int, device: torch.device) -> World:
+    """The World over the process group already started (tessera.estimate's is a fake one): one mesh, every axis."""
     # Under EP the shard axis splits in two: the ranks outside one EP group, and those inside it.
     shard = [("dp_shard_mod_ep", dims.dp_shard // dims.shard_in_ep), ("dp_shard_in_ep", dims.shard_in_ep)] \
         if dims.ep > 1 else [("dp_shard", dims.dp_shard)]

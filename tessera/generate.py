@@ -11,6 +11,7 @@ Hugging Face folder. Its architecture is what the checkpoint records (or config.
 """
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -153,11 +154,26 @@ def _prompt(g, tokenizer) -> list[int]:
     return [tokenizer.bos_id, *tokenizer.encode(g.prompt)]
 
 
+def _family_generate(source: str, hf: bool):
+    """The entry point of a family that samples its own way (ModelSpec.generate), for a Tessera checkpoint of it."""
+    try:
+        record = None if hf else read_model_record(_checkpoint_folder(source))
+    except ConfigError:  # a Hugging Face folder, or nothing: from_pretrained says which
+        return None
+    entry = models.family(record["family"]).spec().generate if record else None
+    if entry is None:
+        return None
+    module, _, function = entry.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
         g, c = cfg.generate, cfg.checkpoint
         source = c.initial_load_path or cfg.job.dump_folder
+        if (own := _family_generate(source, c.initial_load_in_hf)) is not None:
+            return own(argv)
         model, tokenizer = from_pretrained(source, _device(g.device), hf=c.initial_load_in_hf or None,
                                            max_seq_len=None, hf_assets_path=cfg.model.hf_assets_path)
         prompt = _prompt(g, tokenizer)

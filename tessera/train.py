@@ -15,6 +15,7 @@ from tessera.config import ConfigError, help_text, parse_args
 from tessera.config.validate import validate
 from tessera.distributed import World, init_world, set_timeout, shutdown, timeout_message, world_size_from_env
 from tessera.experts import reset_statistics
+from tessera.memory import live_memory, live_memory_metrics
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
 from tessera.parallel.tp import local, loss_context
@@ -144,7 +145,7 @@ def train(tr: Trainer) -> None:
     tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
     first_step = tr.step
-    with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step:
+    with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr):
         while tr.step < t.steps:
             lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
             loss, grad_norm, data_s = train_step(tr)
@@ -168,6 +169,8 @@ def train(tr: Trainer) -> None:
             if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
+            if tr.evaluate is not None and tr.evaluate(tr, last):  # its time is not the step's
+                window_start = time.perf_counter()
     tr.checkpointer.wait()
 
 
@@ -182,12 +185,16 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
     record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
               "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
               "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
-              "data_share": data_s / elapsed, "checkpoint_stall_s": stall}
+              "data_share": data_s / elapsed, "checkpoint_stall_s": stall,
+              "samples_per_s": tps / tr.cfg.training.seq_len}  # sequences (Flux: images) per second per device
     if tr.cfg.training.nonfinite_policy == "skip":
         record["skipped_steps"] = tr.skipped_steps
+    if getattr(tr.loader, "mixture", None) is not None:  # the realized share of each dataset so far
+        record.update({f"mix/{name}": share for name, share in tr.loader.shares().items()})
     if tr.balancer is not None:
         record.update(tr.balancer.metrics(tr.world.device))
     record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
+    record.update(live_memory_metrics(tr))
     tr.metrics.log(tr.step, record)
     tr.history.append({"step": tr.step, **record})
 

@@ -70,6 +70,8 @@ class Trainer:
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     skipped_steps: int = 0  # training.nonfinite_policy = skip: steps with non-finite gradients, not applied
     history: list[dict] = field(default_factory=list)
+    live_bytes: object | None = None  # metrics.live_memory: a tessera.memory.LiveBytes counting while training
+    evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
 
 
 def token_batch(tr, loader) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,17 +197,18 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     resume = find_resume(cfg)
     args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
-    check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
     spec = models.family(cfg.model.name).spec()
+    if spec.data is None:  # a family with its own data has no vocabulary of the token loader's
+        check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
     loss = training_loss(cfg, world, spec.loss or loss_fn)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     bad = BadRecords(t.max_bad_records)
-    loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, bad=bad)
-    val_loader = build_dataloader(cfg, tokenizer, world.dp_rank, world.dims.dp, split="validation", bad=bad) \
-        if cfg.validation.enable else None
+    data = spec.data or (lambda c, w, _, split, bad: build_dataloader(c, tokenizer, w.dp_rank, w.dims.dp, split, bad))
+    loader = data(cfg, world, args, "train", bad)
+    val_loader = data(cfg, world, args, "validation", bad) if cfg.validation.enable else None
     counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
@@ -223,6 +226,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
                  post_optimizer_hook(model, cfg), bad, build_balancer(cfg, world, args, model, pipeline, grad_accum),
                  build_side_losses(cfg, world, model, grad_accum))
+    tr.evaluate = spec.evaluate
     tr.checkpointer.load(tr, resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

@@ -80,7 +80,8 @@ def run_train(argv: list[str], steps: int) -> dict:
 
         def recording_next_batch():
             inputs, labels = next_batch()
-            ids = [zlib.crc32(row.numpy().tobytes()) for row in inputs]
+            rows = inputs if torch.is_tensor(inputs) else next(iter(inputs.values()))  # a family's dict: its first
+            ids = [zlib.crc32(row.cpu().numpy().tobytes()) for row in rows]
             if tr.world.dims.dp > 1:
                 gathered = [None] * tr.world.dims.dp
                 dist.all_gather_object(gathered, ids, group=tr.world.flat["dp"].get_group())

@@ -32,8 +32,6 @@ CASES = [  # (flags, world size, message fragment)
      "seq_len 36 must be divisible by 2 x context_parallel_degree = 8"),
     (["--model.attn_mask_type", "block_causal", "--parallelism.pipeline_parallel_degree", "2"], 2,
      "model.attn_mask_type: block_causal needs each rank to see whole sequences"),
-    (["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"], 2,
-     "model.attn_mask_type: block_causal needs each rank to see whole sequences"),
 ]
 
 

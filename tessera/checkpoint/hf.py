@@ -87,12 +87,25 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     if _rank0():
         shutil.rmtree(out / "sharded", ignore_errors=True)
         config = hf.hf_config(args, bos_id=bos_id, eos_id=eos_id)
-        config["torch_dtype"] = config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        if getattr(hf, "weights_name", "model") == "model":  # diffusers' from_pretrained refuses a dtype key
+            config["torch_dtype"] = config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if bos_id is not None and eos_id is not None:
             generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
             (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if getattr(hf, "weights_name", "model") != "model":
+            _rename_weights(out, hf.weights_name)
     _barrier()
+
+
+def _rename_weights(out: Path, name: str) -> None:
+    """model-*.safetensors and their index as `name`-*.safetensors (diffusers looks for its own file names)."""
+    index = json.loads((out / INDEX).read_text())
+    for old in sorted(set(index["weight_map"].values())):
+        (out / old).rename(out / old.replace("model", name, 1))
+    index["weight_map"] = {k: v.replace("model", name, 1) for k, v in index["weight_map"].items()}
+    (out / f"{name}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / INDEX).unlink()
 
 
 def hf_folder(path: str | os.PathLike) -> Path:

@@ -93,6 +93,8 @@ def _set(cfg: JobConfig, options, key: str, value: Any, where: str, from_cli: bo
     if key not in options:
         raise _unknown(key, options, where)
     owner, f = options[key]
+    if f.metadata.get("table") and isinstance(value, dict):  # a TOML table {NAME = number} -> "NAME:number,..."
+        value = ",".join(f"{k}:{v}" for k, v in value.items())
     value = _convert(value, _field_type(owner, f), key, where, from_cli)
     choices, low, high, below = (f.metadata.get(k) for k in ("choices", "min", "max", "below"))
     if choices and value not in choices:
@@ -109,10 +111,10 @@ def _set(cfg: JobConfig, options, key: str, value: Any, where: str, from_cli: bo
     setattr(owner, f.name, value)
 
 
-def _flatten_toml(table: dict, prefix: str = ""):
+def _flatten_toml(table: dict, prefix: str = "", options=()):
     for k, v in table.items():
-        if isinstance(v, dict):
-            yield from _flatten_toml(v, f"{prefix}{k}.")
+        if isinstance(v, dict) and f"{prefix}{k}" not in options:  # a section, not a table-valued option
+            yield from _flatten_toml(v, f"{prefix}{k}.", options)
         else:
             yield f"{prefix}{k}", v
 
@@ -160,7 +162,7 @@ def parse_args(argv: list[str]) -> JobConfig:
                 table = tomllib.load(fh)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not valid TOML ({e})") from None
-        for key, value in _flatten_toml(table):
+        for key, value in _flatten_toml(table, options=options):
             _set(cfg, options, key, value, f" (in {path})", from_cli=False)
     for key, value in cli:
         _set(cfg, options, key, value, " (on the command line)", from_cli=True)

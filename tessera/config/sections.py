@@ -15,10 +15,11 @@ LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng
 
 
 def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None, max: float | None = None,
-        below: float | None = None) -> Any:
+        below: float | None = None, table: bool = False) -> Any:
     """A config field: its default, the one-line doc `--help` prints, and its valid range ([min, max], and
-    strictly under `below`). Floats must be finite."""
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "below": below}
+    strictly under `below`). Floats must be finite. `table`: a string option that TOML may also give as a table
+    {NAME = number}, read as "NAME:number,..."."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "below": below, "table": table}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -76,9 +77,14 @@ class Training:
     mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over depths), for models "
                                  "with MTP depths (DeepSeek V3: 0.3, later 0.1); 0 = the depths are kept but not run",
                                  min=0.0)
-    dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), c4, or a hub id "
-                       "ORG/NAME")
-    dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; or a local copy of a hub dataset")
+    dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), tokenized (a folder "
+                       "made by python -m tessera.data.prepare, memory-mapped), c4, or a hub id ORG/NAME")
+    dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; a local copy of a hub dataset; "
+                            "or a prepared folder (with files, it is detected and read as tokenized); with "
+                            "dataset_mix, the folder its names are in")
+    dataset_mix: str = opt("", "tokenized: prepared datasets and their weights, NAME:WEIGHT,... or a TOML table "
+                           "{NAME = WEIGHT}; a NAME is a folder under dataset_path (or a path); each dataset gives "
+                           "its share of every block of 4096 samples", table=True)
     dataset_text_field: str = opt("text", "field holding the document text in jsonl/parquet/hub rows")
     data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
                             "documents, 1/gcd(data_streams, DP degree) of them; part of the data order: keep it "
@@ -155,6 +161,9 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
+    live_memory: bool = opt(False, "log live_peak_gib: the most bytes of live tensors (parameters, gradients, "
+                            "optimizer state, activations, buffers) any rank held since the last log, counted op by "
+                            "op on every device (what tessera.estimate predicts); slows each step")
 
 
 @dataclass
@@ -255,6 +264,40 @@ class Generate:
 
 
 @dataclass
+class Flux:
+    """model.name = flux: its data, encoders and objective (tessera/models/flux/)."""
+    resolution: int = opt(16, "image side in pixels after resize and center crop", min=4)
+    text_len: int = opt(48, "text tokens per caption (T5's sequence, padded or cut); training.seq_len must be "
+                        "text_len + the image tokens", min=1)
+    encoders: str = opt("tiny", "frozen text encoders and autoencoder: tiny = random-init T5 and CLIP from in-repo "
+                        "configs with a pixel-space autoencoder (offline, CPU); tiny_vae = the same with a random-init "
+                        "Flux VAE; else the folder of a FLUX.1 release (text_encoder, text_encoder_2, tokenizer, "
+                        "tokenizer_2, vae)")
+    timestep_sampling: str = opt("logit_normal", "distribution of t in [0, 1]", choices=("uniform", "logit_normal"))
+    logit_mean: float = opt(0.0, "logit_normal: mean of logit(t)")
+    logit_std: float = opt(1.0, "logit_normal: standard deviation of logit(t)", min=0.0)
+    txt_dropout: float = opt(0.1, "probability of dropping a caption's T5 features (classifier-free guidance)",
+                             min=0.0, max=1.0)
+    pooled_dropout: float = opt(0.1, "probability of dropping a caption's pooled CLIP embedding", min=0.0, max=1.0)
+    guidance: float = opt(3.5, "guidance scale fed to guidance-embedding flavors (flux-dev) in training", min=0.0)
+    val_timesteps: list[str] = opt(["0.25", "0.5", "0.75"], "validation: the fixed t each held-out sample is "
+                                   "noised to, in turn")
+    latent_cache: str = opt("", "folder of precomputed latents and text features (python -m tessera.models.flux.cache "
+                            "writes it), read instead of running the encoders; empty = encode on the fly")
+    shapes_pairs: int = opt(0, "dataset = shapes: that many pairs, repeated (needed to cache them); 0 = endless", min=0)
+    sample_freq: int = opt(0, "write a PNG grid of sample_prompts every N steps (and at the last); 0 = never", min=0)
+    sample_prompts: list[str] = opt(["a big red circle in the middle", "a big blue square on the left",
+                                     "a small green triangle at the top", "a big yellow circle on the right",
+                                     "a small white square at the bottom", "a big purple triangle in the middle",
+                                     "a small red square on the right", "a big green circle on the left"],
+                                    "captions of the sample grid, one image each")
+    sample_steps: int = opt(20, "Euler steps from noise to image", min=1)
+    guidance_scale: float = opt(4.0, "classifier-free guidance scale of samples (guidance-embedding flavors: fed to "
+                                "the model instead); 1 = none", min=0.0)
+    sample_seed: int = opt(0, "seed of the samples' noise", min=0)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -272,3 +315,4 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     generate: Generate = field(default_factory=Generate)
+    flux: Flux = field(default_factory=Flux)

@@ -36,7 +36,10 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
-    _check_data(cfg)
+    if family(m.name).check_config is not None:  # a family with its own data checks it
+        _check_family_config(cfg)
+    else:
+        _check_data(cfg)
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -49,9 +52,9 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_layout(cfg, args, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
-    if m.attn_mask_type == "block_causal" and (dims.pp > 1 or dims.cp > 1):
+    if m.attn_mask_type == "block_causal" and dims.pp > 1:
         raise ConfigError("model.attn_mask_type: block_causal needs each rank to see whole sequences' tokens, which "
-                          "pipeline stages after the first and context-parallel ranks do not yet; use causal there")
+                          "pipeline stages after the first do not yet; use causal there")
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
         raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
                           f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")
@@ -67,6 +70,10 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
                           "compile off")
     if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
         raise ConfigError(f"compile.components: {cfg.compile.components} may only hold 'model' and 'loss'")
+    if cfg.metrics.live_memory and cfg.compile.enable:
+        raise ConfigError("metrics.live_memory: counts every op with a dispatch mode, which torch.compile does not "
+                          "trace; measure with compile.enable = false (tessera.estimate traces compiled blocks "
+                          "eagerly too)")
     return dims
 
 
@@ -128,13 +135,17 @@ def _check_resume(cfg: JobConfig):
 def _check_data(cfg: JobConfig) -> None:
     """The dataset, its first documents, and that tokenizer.json is whole: what would otherwise fail once ranks
     run. (Whether the Hub answers is asked by each rank, when it opens the stream: a config can be checked offline.)"""
-    from tessera.data import sources
+    from tessera.data import sources, tokens
 
     t = cfg.training
     sources.check_dataset(t.dataset, t.dataset_path)
-    if t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
+    if t.dataset_mix or t.dataset == "tokenized":
+        tokens.check(cfg)  # each prepared folder whole, made by this run's tokenizer, big enough
+    elif t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
         raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
-    if t.dataset == "files":
+    elif tokens.wanted(t):
+        tokens.check(cfg)
+    elif t.dataset == "files":
         sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable)
     if cfg.model.hf_assets_path:
         path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
@@ -143,6 +154,13 @@ def _check_data(cfg: JobConfig) -> None:
                 json.load(fh)
         except ValueError as e:  # a download cut short, or not JSON at all
             raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
+
+
+def _check_family_config(cfg: JobConfig) -> None:
+    try:
+        family(cfg.model.name).check_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:

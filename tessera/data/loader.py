@@ -9,9 +9,10 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.config.sections import JobConfig
+from tessera.data import tokens
 from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import documents
-from tessera.data.tokenizer import ByteTokenizer, Tokenizer
+from tessera.data.tokenizer import Tokenizer, encode_documents
 
 _ENCODE_CHUNK = 64  # documents per encode call: amortizes per-call overhead while bounding buffered text
 
@@ -93,6 +94,11 @@ class TokenLoader:
         return {"sample_index": self.sample_index, "streams": self.streams}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "prepared" in state:
+            raise ConfigError(f"training.dataset: the checkpoint's data position counts samples of prepared data "
+                              f"({state['prepared']}), not of {self.streams} streams of documents; set "
+                              f"training.dataset = 'tokenized' and its dataset_path to resume, or add dataloader to "
+                              f"checkpoint.exclude_from_loading to start this data from its first sample")
         saved = int(state.get("streams", 1))
         if saved != self.streams:
             raise ConfigError(f"training.data_streams is {self.streams} but the checkpoint's data was dealt to "
@@ -157,23 +163,19 @@ class TokenLoader:
             self._epoch_has_docs = False
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
-        """Each document as `[bos] + ids + [eos]`, int32 (vocabularies are far below 2**31; halves the buffers)."""
-        tok = self.tokenizer
-        if isinstance(tok, ByteTokenizer):
-            ids = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]  # skips a Python int per byte
-        elif hasattr(tok, "encode_batch"):
-            ids = tok.encode_batch(texts)
-        else:
-            ids = [tok.encode(t) for t in texts]
-        bos, eos = np.array([tok.bos_id], dtype=np.int32), np.array([tok.eos_id], dtype=np.int32)
-        return [np.concatenate([bos, np.asarray(doc, dtype=np.int32), eos]) for doc in ids]
+        return encode_documents(self.tokenizer, texts)
 
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
-                     bad: BadRecords | None = None) -> TokenLoader:
-    """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks. `bad`
-    counts the records skipped (one count for the splits of a run; default: a fresh one)."""
+                     bad: BadRecords | None = None):
+    """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks: a
+    TokenLoader, or a PreparedLoader for prepared data. `bad` counts the records skipped (one count for the splits
+    of a run; default: a fresh one)."""
     t = cfg.training
+    if tokens.wanted(t):  # pre-tokenized, memory-mapped
+        from tessera.data.prepared import build_prepared_loader
+
+        return build_prepared_loader(cfg, tokenizer, dp_rank, dp_degree, split)
     bad = BadRecords(t.max_bad_records) if bad is None else bad
     docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed, bad=bad)
     return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams)

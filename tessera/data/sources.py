@@ -14,6 +14,7 @@ from pathlib import Path
 from tessera.data.records import BadRecords, DataError, file_texts, missing_field
 
 SPLITS = ("train", "validation")
+LOCAL = ("stdlib", "files", "tokenized")  # the datasets that need no Hub (tokenized: tessera/data/prepared.py)
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # Hub shortcuts: name -> (hub id, config).
 HUB_ALIASES = {"c4": ("allenai/c4", "en")}
@@ -40,9 +41,10 @@ def documents(dataset: str, path: str, text_field: str, split: str, seed: int, e
 
 def check_dataset(dataset: str, path: str) -> None:
     """The dataset name and whether it takes training.dataset_path."""
-    if dataset not in ("stdlib", "files") and dataset not in HUB_ALIASES and "/" not in dataset:
+    if dataset not in LOCAL and dataset not in HUB_ALIASES and "/" not in dataset:
         raise DataError(f"training.dataset: unknown dataset {dataset!r}; use stdlib, files (with "
-                        f"training.dataset_path), c4, or a hub id ORG/NAME (e.g. Salesforce/{dataset})")
+                        f"training.dataset_path), tokenized (a prepared folder), c4, or a hub id ORG/NAME (e.g. "
+                        f"Salesforce/{dataset})")
     if dataset == "stdlib" and path:
         raise DataError(f"training.dataset_path: {path!r} is given, but training.dataset = 'stdlib' reads the "
                         f"built-in corpus; set training.dataset = 'files' to train on it, or leave the path empty")
@@ -87,7 +89,7 @@ def _read_nonempty(files: list[Path]) -> Iterator[str]:
 
 # --- files: local .txt / .jsonl / .json / .parquet ----------------------------------------------------------
 
-def _resolve_files(path: str) -> list[Path]:
+def _resolve_files(path: str, key: str = "training.dataset_path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob -> the supported data files, sorted."""
     matches = [Path(path)] if Path(path).exists() else [Path(p) for p in sorted(glob.glob(path, recursive=True))]
     files = []
@@ -97,7 +99,7 @@ def _resolve_files(path: str) -> list[Path]:
         elif match.suffix in FILE_SUFFIXES:
             files.append(match)
     if not files:
-        raise DataError(f"training.dataset_path: no {'/'.join(FILE_SUFFIXES)} files found at {path!r}")
+        raise DataError(f"{key}: no {'/'.join(FILE_SUFFIXES)} files found at {path!r}")
     return files
 
 
@@ -132,7 +134,7 @@ def check_files(path: str, text_field: str, validation: bool) -> None:
 def check_hub(dataset: str, path: str, timeout_s: float = 3.0) -> None:
     """A dataset streamed from the Hugging Face Hub needs the Hub: refuse at once when offline mode is set or the
     endpoint does not answer within `timeout_s`, rather than retry for half a minute."""
-    if path or dataset in ("stdlib", "files"):
+    if path or dataset in LOCAL:
         return
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",

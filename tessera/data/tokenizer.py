@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from tessera.config.manager import ConfigError
 
 # Tried in order when tokenizer_config.json does not name a usable BOS/EOS (Llama 3, Llama 2/Mistral, GPT-2, Gemma).
@@ -78,6 +80,18 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def encode_documents(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each document as `[bos] + ids + [eos]`, int32 (vocabularies are far below 2**31; halves the buffers)."""
+    if isinstance(tok, ByteTokenizer):
+        ids = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]  # skips a Python int per byte
+    elif hasattr(tok, "encode_batch"):
+        ids = tok.encode_batch(texts)
+    else:
+        ids = [tok.encode(t) for t in texts]
+    bos, eos = np.array([tok.bos_id], dtype=np.int32), np.array([tok.eos_id], dtype=np.int32)
+    return [np.concatenate([bos, np.asarray(doc, dtype=np.int32), eos]) for doc in ids]
 
 
 def build_tokenizer(hf_assets_path: str) -> ByteTokenizer | HFTokenizer:

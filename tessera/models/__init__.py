@@ -6,7 +6,7 @@ import importlib
 import json
 import os
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux")
 
 
 def family(name: str):

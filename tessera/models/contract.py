@@ -16,7 +16,8 @@ class HFAdapter(Protocol):
     dequantize) and config.json both ways. Loading reads the checkpoint into `to_hf(model_state)`, so its
     values must be the given tensors themselves or views of them (or fresh tensors that `from_hf` folds
     back, e.g. scales), for plain tensors and DTensor shards alike; `from_hf` of that is set into the model.
-    Optional: `stored_names(names)`, {name in a folder: its to_hf name, or None for another model's tensor}."""
+    Optional: `stored_names(names)`, {name in a folder: its to_hf name, or None for another model's tensor};
+    `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model)."""
 
     def to_hf(self, state: dict) -> dict: ...
 
@@ -51,6 +52,12 @@ class ModelSpec:
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
     loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
     batch: Callable | None = None  # (trainer, loader) -> (inputs, labels) on device; None: token windows
+    evaluate: Callable | None = None  # (trainer, last step) -> whether it ran: the family's own evaluation after
+    # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
+    generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a
+    # checkpoint of this family to it (Flux draws images)
+    data: Callable | None = None  # (cfg, world, args, split, bad) -> this rank's loader (next_batch, rewind,
+    # state_dict, load_state_dict) for a family that brings its own data (Flux: image-caption pairs); None: tokens
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ class Family:
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
     hf_model_type: str  # config.json's model_type
+    check_config: Callable[[Any], None] | None = None  # (cfg): a family with its own data checks it and its own
+    # config section here, in place of the text data's checks; ValueError "key: why; fix"
 
     def spec(self) -> ModelSpec:
         module, _, attr = self.torch_side.partition(":")

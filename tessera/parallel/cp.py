@@ -26,6 +26,15 @@ def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.T
     return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp, dim=0)
 
 
+def _in_order(parts, cp: int, dim: int) -> torch.Tensor:
+    """Each rank's two chunks (`parts[rank]`, 2L long along `dim`) -> the whole sequence along `dim`."""
+    ordered = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        head, tail = chunk_ids(rank, cp)
+        ordered[head], ordered[tail] = part.chunk(2, dim=dim)
+    return torch.cat(ordered, dim=dim)
+
+
 class _AllGather(torch.autograd.Function):
     """[...] on each rank -> [ranks, ...]; backward sums each rank's gradient for every piece back to its owner.
     (torch.distributed.nn's version mis-addresses sub-groups on gloo.)"""
@@ -63,28 +72,59 @@ class ContextParallelAttention(nn.Module):
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
-        parts = _AllGather.apply(x, self.group)
-        half = x.shape[2] // 2
-        ordered = [None] * (2 * self.cp)
-        for rank, part in enumerate(parts):
-            head, tail = chunk_ids(rank, self.cp)
-            ordered[head], ordered[tail] = part[:, :, :half], part[:, :, half:]
-        return torch.cat(ordered, dim=2)
+        return _in_order(_AllGather.apply(x, self.group), self.cp, dim=2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` [batch, 2L]: this rank's tokens numbered by the document starts among them alone, as the
+        trainer counts BOS over its local tokens; they are renumbered over the whole sequence here."""
         keys, values = self._whole(k), self._whole(v)
+        docs = None if documents is None else self._documents(documents)
         size = q.shape[2] // 2
         out = []
         for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
             end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
             out.append(self.attend(q[:, :, half * size:(half + 1) * size], keys[:, :, :end], values[:, :, :end],
-                                   self.window, self.chunk, self.scale, self.sinks))
+                                   self.window, self.chunk, self.scale, self.sinks,
+                                   None if docs is None else docs[:, :end]))
         return torch.cat(out, dim=2)
+
+    @torch.compiler.disable
+    def _documents(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's document numbers [batch, 2·CP·L] from each rank's local ones: where a local
+        number changes (or is not 0 at the first token) a document starts; those starts are gathered in global
+        order and counted. Every layer of a forward asks with the same tensor: computed once."""
+        if _gathered[0] is not local:
+            starts = (torch.diff(local, dim=1, prepend=torch.zeros_like(local[:, :1])) != 0).to(torch.uint8)
+            parts = [torch.empty_like(starts) for _ in range(self.cp)]
+            dist.all_gather(parts, starts.contiguous(), group=self.group)
+            _gathered[:] = [local, _in_order(parts, self.cp, dim=1).cumsum(1)]
+        return _gathered[1]
+
+
+_gathered: list = [None, None]  # (local document numbers, the whole sequence's) of the last forward
+
+
+class BidirectionalContextParallelAttention(nn.Module):
+    """For a kernel with `bidirectional = True` (no mask: a diffusion transformer's joint attention): this rank's
+    queries against every rank's keys and values. Without a mask the keys' order is moot, so they are taken as
+    gathered; the kernel's own `attend(q, k, v)` computes it."""
+
+    def __init__(self, group: dist.ProcessGroup, kernel: nn.Module):
+        super().__init__()
+        self.group, self.attend = group, type(kernel).attend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = (_AllGather.apply(x, self.group).permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (k, v))
+        return self.attend(q, keys, values)
 
 
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) -> None:
     """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one."""
     for block in blocks.values():
         module = getattr(block, attention)
+        if getattr(module.sdpa, "bidirectional", False):
+            module.sdpa = BidirectionalContextParallelAttention(cp_mesh.get_group(), module.sdpa)
+            continue
         module.sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(),
                                                module.sdpa)

@@ -1,0 +1,1 @@
+"""`python -m tessera.estimate`: memory and time of a configured run before any GPU is allocated."""

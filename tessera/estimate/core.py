@@ -1,0 +1,274 @@
+"""Memory and time of a configured run, per rank kind, before any GPU is allocated (see tessera/estimate/__main__.py).
+
+Each rank kind (every rank alike, or each pipeline rank) is built as the trainer builds it over a fake process
+group and traced on fake tensors (tessera/estimate/trace.py): parameters, gradients and what one step's
+micro-batches allocate are counted storage by storage; AdamW's state is two moments per parameter shard. Under
+pipelining, each distinct stage is traced with two micro-batches in flight (the step's first backward, without
+gradients, then one with them), and the schedule's own order of forwards and backwards
+(tessera/estimate/pipeline.py) says how many it holds at once, with its receive buffers and the last stage's outputs
+kept to the end of the step."""
+
+import copy
+import dataclasses
+import os
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import PipelineStage
+
+from tessera import architecture, models
+from tessera.checkpoint.manager import find_resume
+from tessera.config import ConfigError, JobConfig
+from tessera.config.validate import validate
+from tessera.data import build_tokenizer
+from tessera.estimate import pipeline, trace
+from tessera.estimate.cost import Cluster, StepTime, step_time
+from tessera.parallel import pp, pp_layout
+
+
+@dataclasses.dataclass
+class RankKind:
+    label: str
+    count: int  # ranks of this kind
+    params: int  # bytes: this rank's parameter shards and buffers
+    grads: int  # what backward leaves (gradients; under PP + FSDP also the parameters kept gathered)
+    optimizer: int
+    act: int  # activations one micro-batch keeps from its forward to its backward (all its stages)
+    in_flight: int  # micro-batches (stage forwards) held at once
+    comm: int  # communication buffers: collective outputs alive at once, and pipeline receive buffers
+    peak: int
+
+
+@dataclasses.dataclass
+class Estimate:
+    model: str
+    flavor: str
+    world_size: int
+    layout: str
+    device: str
+    seq_len: int
+    local_batch_size: int
+    grad_accum: int
+    params: int  # the whole model's
+    kinds: list[RankKind]
+    time: StepTime
+    cluster: Cluster
+    notes: list[str]
+
+    @property
+    def peak(self) -> int:
+        return max(k.peak for k in self.kinds)
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["peak"] = self.peak
+        return out
+
+
+def layout_name(dims) -> str:
+    parts = [(f"HSDP {dims.dp_replicate}x{dims.dp_shard}" if dims.dp_replicate > 1 and dims.dp_shard > 1
+              else f"DDP {dims.dp_replicate}" if dims.dp_replicate > 1 else f"FSDP {dims.dp_shard}"
+              if dims.dp_shard > 1 else "")]
+    parts += [f"{n} {d}" for n, d in (("TP", dims.tp), ("PP", dims.pp), ("CP", dims.cp), ("EP", dims.ep)) if d > 1]
+    return " x ".join(p for p in parts if p) or "1 rank"
+
+
+def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
+    """The config as it runs on `device` (cuda or cpu); whether its tokenizer is there; notes for the reader."""
+    cfg, notes = copy.deepcopy(cfg), []
+    t = cfg.training
+    # The data does not change what a step holds (tokens are tokens): the built-in corpus stands in, so a config
+    # whose data is on the cluster estimates anywhere.
+    t.dataset, t.dataset_path = "stdlib", ""
+    if hasattr(t, "dataset_mix"):
+        t.dataset_mix = ""
+    if t.mixed_precision_param == "auto":
+        t.mixed_precision_param = "bfloat16" if device == "cuda" else "float32"
+    if cfg.compile.enable:
+        cfg.compile.enable = False
+        notes.append("compile: traced eagerly; compiled blocks fuse element-wise ops and keep less, so the "
+                     "activations are an upper bound")
+    tokenizer = bool(cfg.model.hf_assets_path)
+    if tokenizer and not os.path.isfile(os.path.join(cfg.model.hf_assets_path, "tokenizer.json")):
+        notes.append(f"no tokenizer.json in {cfg.model.hf_assets_path}: the flavor's vocabulary is taken")
+        cfg.model.hf_assets_path, tokenizer = "", False
+    if t.enable_cpu_offload:
+        notes.append("training.enable_cpu_offload: parameter shards, gradients and optimizer state are in host "
+                     "memory, not in the peak")
+    return cfg, tokenizer, notes
+
+
+def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Cluster | None = None,
+             exact: bool = False) -> Estimate:
+    """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `exact`:
+    trace every block, not one or two of each kind (see `sampled`)."""
+    cfg, has_tokenizer, notes = prepare(cfg, device)
+    dims = validate(cfg, world_size)
+    fam = models.family(cfg.model.name)
+    spec = fam.spec()
+    if getattr(spec, "batch", None) is not None or getattr(spec, "data", None) is not None:
+        raise ConfigError(f"model.name: {cfg.model.name} brings its own batches; tessera.estimate traces the token "
+                          f"models ({', '.join(n for n in models.FAMILIES if n != cfg.model.name)})")
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    takes_vocab = has_tokenizer or cfg.model.flavor in fam.takes_tokenizer_vocab or not cfg.model.flavor
+    resume = find_resume(cfg)
+    args = architecture.resolve(cfg, tokenizer.vocab_size if takes_vocab else None, resume[1] if resume else None)
+    t = cfg.training
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
+    with trace.gpu_kernels(device == "cuda"):
+        kinds = _whole(cfg, dims, args, spec, grad_accum, bos, exact) if dims.pp == 1 else \
+            _pipelined(cfg, dims, args, spec, grad_accum, exact)
+    if t.enable_cpu_offload:
+        for k in kinds:
+            k.peak -= k.params + k.optimizer
+    counts = fam.counts(args, t.seq_len)
+    cluster = cluster or Cluster()
+    time = step_time(cfg, dims, args, counts.flops_per_token, max(k.params for k in kinds), grad_accum, cluster)
+    return Estimate(cfg.model.name, cfg.model.flavor, world_size, layout_name(dims), device, t.seq_len,
+                    t.local_batch_size, grad_accum, counts.params, kinds, time, cluster, notes)
+
+
+def _build(spec, args) -> torch.nn.Module:
+    with torch.device("meta"):
+        return spec.model(args)
+
+
+def _block_kind(block: torch.nn.Module) -> int:
+    """Blocks of one kind (parameter shapes, types, settings such as a window) trace alike."""
+    kind = []
+    for name, m in block.named_modules():
+        settings = sorted((k, v) for k, v in vars(m).items()
+                          if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None))))
+        kind.append((name, type(m).__name__, tuple(settings),
+                     tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))))
+    return hash(tuple(kind))
+
+
+def _kinds(module: torch.nn.Module, stacks: tuple[str, ...]) -> list[int]:
+    """The kind of each block of `module`'s block stacks, in forward order."""
+    return [_block_kind(block) for stack in stacks for block in getattr(module, stack).values()]
+
+
+def sampled(kinds: list[int], run, exact: bool) -> trace.StageTrace:
+    """`run(positions)` traces the module holding only the blocks at those positions. A module of more than
+    SAMPLE_ABOVE blocks is traced with one block of each kind (two when there is one kind: a first and a last), then
+    with one more block of each kind in turn, and its bytes grow linearly from there with each kind's count: each
+    block adds its parameters, gradients and saved activations, and the largest moment of each phase of a step or a
+    backward (tessera.estimate.trace._phase_marks) moves with them. Collective buffers and pipeline boundaries are
+    those of one block. On every shipped config this gave the whole trace's bytes to 0.4% (checked by hand);
+    tests/test_estimate.py compares the two on debug models with blocks of several kinds."""
+    if exact or len(kinds) <= SAMPLE_ABOVE:
+        return run(list(range(len(kinds))))
+    by_kind = {}
+    for pos, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(pos)
+    used = {kind: 2 if len(by_kind) == 1 else 1 for kind in by_kind}  # a first and a last block, not one
+    base_ids = sorted(pos for kind, ids in by_kind.items() for pos in ids[:used[kind]])
+    runs = 1 + sum(len(ids) > used[kind] for kind, ids in by_kind.items())
+    if SAMPLE_ONLY_IF_CHEAPER and runs * len(base_ids) + runs - 1 >= len(kinds):  # as many blocks as it holds
+        return run(list(range(len(kinds))))
+    base = run(base_ids)
+    total = dataclasses.replace(base)
+    for kind, ids in by_kind.items():
+        if len(ids) <= used[kind]:
+            continue
+        more, n = run(sorted([*base_ids, ids[used[kind]]])), len(ids) - used[kind]
+        for f in _LINEAR:
+            setattr(total, f, getattr(total, f) + n * (getattr(more, f) - getattr(base, f)))
+        for f in ("phases", "first_phases", "transient_phases"):
+            setattr(total, f, tuple(t + n * (m - b) for t, m, b in zip(getattr(total, f), getattr(more, f),
+                                                                       getattr(base, f), strict=True)))
+        total.comm = max(total.comm, more.comm)
+    # Each phase's largest moment grows linearly; a step's (or a backward's) is the largest of them, the middle
+    # blocks' excepted (at its ends, it is its neighbours').
+    if total.phases:
+        total.peak = max(p for i, p in enumerate(total.phases) if i % 4 != trace.MIDDLE)
+    if total.first_phases:
+        total.first = max(total.first_phases[0], total.first_phases[2])
+        total.transient = max(total.transient_phases[0], total.transient_phases[2])
+    return total
+
+
+SAMPLE_ABOVE = 8
+SAMPLE_ONLY_IF_CHEAPER = True  # tests turn it off to compare sampling with the whole trace on small models
+_LINEAR = ("params", "optimizer", "grads", "act", "end")
+
+
+def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, exact: bool) -> list[RankKind]:
+    model = _build(spec, args)
+
+    def run(positions: list[int]) -> trace.StageTrace:
+        with trace.fake_world(dims, 0) as world:
+            part = pp.cut(model, positions, (), (), (), (), spec.blocks)
+            part = spec.parallelize(part, world, cfg)
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            trace.materialize(part, world, cfg, fake)
+            return trace.trace_model(cfg, world, part, spec, args, grad_accum, bos, fake)
+
+    tr = sampled(_kinds(model, spec.blocks), run, exact)
+    return [RankKind("every rank", dims.world_size, tr.params, tr.grads, tr.optimizer, tr.act, 1, tr.comm,
+                     tr.optimizer + tr.peak)]
+
+
+def _pipelined(cfg, dims, args, spec, grad_accum: int, exact: bool) -> list[RankKind]:
+    p = cfg.parallelism
+    model = _build(spec, args)
+    kinds = _kinds(model, spec.blocks)
+    n_stages = pp_layout.num_stages(len(kinds), dims.pp, p.pipeline_parallel_schedule,
+                                    p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
+                                    p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers)
+    layers = pp_layout.stage_layers(len(kinds), n_stages, p.pipeline_parallel_split_points,
+                                    p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers)
+    n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    per_pp = dims.world_size // dims.pp
+    traced: dict = {}
+    orders = None
+    out = []
+    for r in reversed(range(dims.pp)):  # the last stage first: its logits make it the largest, or the one that fails
+        ids = pp_layout.rank_stages(r, dims.pp, n_stages, p.pipeline_parallel_schedule)
+        keys = [(i == 0, i == n_stages - 1, tuple(sorted(kinds[n] for n in layers[i]))) for i in ids]
+        if orders is None or any(k not in traced for k in keys):
+            orders = _trace_rank(cfg, dims, args, spec, grad_accum, r * per_pp, keys, traced, n_micro, orders, exact)
+        stages = [traced[k] for k in keys]
+        order = orders.get(r) or pipeline.single_order(p.pipeline_parallel_schedule, ids[0], n_stages, n_micro)
+        costs = {i: pipeline.StageCost(grads=s.grads, act=s.act, retained=s.out, input_grad=0 if k[0] else s.io,
+                                       first=s.first, transient=s.transient, end=s.end)
+                 for i, s, k in zip(ids, stages, keys, strict=True)}
+        extra, in_flight = pipeline.held(order, costs, n_micro, n_stages - 1)
+        buffers = sum(n_micro * s.io * ((not k[0]) + (not k[1])) for s, k in zip(stages, keys, strict=True))
+        params, grads = sum(s.params for s in stages), sum(s.grads for s in stages)
+        optimizer = sum(s.optimizer for s in stages)
+        out.append(RankKind(f"pp rank {r} (stage{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})", per_pp,
+                            params, grads, optimizer, sum(s.act for s in stages), in_flight,
+                            max(s.comm for s in stages) + buffers, params + optimizer + buffers + extra))
+    return out[::-1]
+
+
+def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, traced: dict, n_micro: int,
+                orders: dict | None, exact: bool) -> dict:
+    """Trace the stages of `rank` not traced yet (into `traced`, by key); returns every rank's schedule order."""
+    model = _build(spec, args)
+    with trace.fake_world(dims, rank) as world:
+        pp_mesh = world.mesh["pp"]
+        ids, parts, n_stages = pp.split(model, pp_mesh, cfg, spec.first_stage, spec.last_stage, spec.blocks)
+        if orders is None:  # every rank's order, from torch's schedule over this rank's stages
+            stages = [PipelineStage(part, i, n_stages, world.device, group=pp_mesh.get_group())
+                      for part, i in zip(parts, ids, strict=True)]
+            orders = pipeline.orders(stages, cfg, n_micro) or {}
+        for part, i, key in zip(parts, ids, keys, strict=True):
+            if key in traced:
+                continue
+
+            def run(positions: list[int], part=part, i=i) -> trace.StageTrace:
+                fake = FakeTensorMode(allow_non_fake_inputs=True)
+                piece = pp.cut(part, positions, (), (), (), (), spec.blocks)
+                spec.parallelize(piece, world, cfg)
+                trace.materialize(piece, world, cfg, fake)
+                stage = PipelineStage(piece, i, n_stages, world.device, group=pp_mesh.get_group())
+                return trace.trace_stage(cfg, world, stage, spec, args, grad_accum, fake)
+
+            traced[key] = sampled(_kinds(part, spec.blocks), run, exact)
+    return orders

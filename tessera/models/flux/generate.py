@@ -1,0 +1,61 @@
+"""Images from a Flux checkpoint: `python -m tessera.models.flux.generate --job.dump_folder ./outputs/flux_debug
+--generate.prompt "a big red circle in the middle"` writes a grid of 4 samples (noise seeds generate.seed ..
++3) to <dump_folder>/samples/generate-<seed>.png and prints its path. The encoders, resolution and sampling
+settings are the checkpoint's run's (its config.toml), overridable with --flux.* flags."""
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tessera.checkpoint.folder import read_saved_config
+from tessera.checkpoint.hf import HFError
+from tessera.config import ConfigError, parse_args
+from tessera.generate import _checkpoint_folder, _device, from_pretrained
+from tessera.models.flux.data import FluxLoader
+from tessera.models.flux.sample import grid, sample
+
+N_IMAGES = 4
+
+
+def _flux_settings(cfg, folder: str, argv: list[str]):
+    """cfg with the run's [flux] and training.seed, except what the command line sets."""
+    saved = read_saved_config(folder).get("flux", {})
+    given = {a[2:].partition("=")[0].split(".", 1)[1] for a in argv if a.startswith("--flux.")}
+    fields = {f.name for f in dataclasses.fields(cfg.flux)}
+    flux = dataclasses.replace(cfg.flux, **{k: v for k, v in saved.items() if k in fields and k not in given})
+    return dataclasses.replace(cfg, flux=flux)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_args(argv)
+        g = cfg.generate
+        folder = _checkpoint_folder(cfg.checkpoint.initial_load_path or cfg.job.dump_folder)
+        model, _ = from_pretrained(folder, _device(g.device))
+        if type(model).__name__ != "Flux":
+            raise ConfigError(f"checkpoint: '{folder}' holds no Flux model; use python -m tessera.generate")
+        if not g.prompt:
+            raise ConfigError("generate.prompt: empty; give the caption to draw")
+        cfg = _flux_settings(cfg, folder, argv)
+        loader = FluxLoader(cfg, model.args, 0, 1, next(model.parameters()).device, "validation")
+        f = cfg.flux
+        images = np.concatenate([sample(model, loader, [g.prompt], f.sample_steps, f.guidance_scale, g.seed + i)
+                                 for i in range(N_IMAGES)])
+    except (ConfigError, HFError) as e:
+        print(f"tessera.models.flux.generate: {e}", file=sys.stderr)
+        return 2
+    path = os.path.join(cfg.job.dump_folder, "samples", f"generate-{g.seed}.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    picture = grid(images, cols=N_IMAGES)
+    Image.fromarray(picture).resize((picture.shape[1] * 4, picture.shape[0] * 4), Image.NEAREST).save(path)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""Sampling: Euler steps of the flow from noise (t = 1) to an image (t = 0), with classifier-free guidance (or,
+for guidance-embedding flavors, the scale fed to the model), decoded by the autoencoder and tiled into a PNG
+grid. During training every `flux.sample_freq` steps (and at the last) a few fixed prompts are drawn from fixed
+noise, so the grids of one run differ only by what the model learned; they go to <dump_folder>/samples/ and to
+TensorBoard."""
+
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from tessera.models.flux.data import shard_inputs
+from tessera.models.flux.encoders import unpatchify
+from tessera.parallel import cp
+
+log = logging.getLogger("tessera")
+
+
+def _gather_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The inverse of cp.shard_sequence along dim 1, over the CP group."""
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    half, ordered = x.shape[1] // 2, [None] * (2 * size)
+    for rank, part in enumerate(parts):
+        head, tail = cp.chunk_ids(rank, size)
+        ordered[head], ordered[tail] = part[:, :half], part[:, half:]
+    return torch.cat(ordered, dim=1)
+
+
+def velocity(model, inputs: dict, cp_mesh=None) -> torch.Tensor:
+    if cp_mesh is None:
+        return model(inputs)
+    out = model(shard_inputs(inputs, cp_mesh.get_local_rank(), cp_mesh.size()))
+    return _gather_sequence(out, cp_mesh.get_group(), cp_mesh.size())
+
+
+@torch.no_grad()
+def sample(model, loader, prompts: list[str], steps: int, scale: float, seed: int, cp_mesh=None) -> np.ndarray:
+    """uint8 [n, h, w, 3] images of `prompts`, from noise seeded by `seed` (the same on every rank)."""
+    device, side = loader.device, loader.cfg.flux.resolution // loader.autoencoder.scale
+    n = len(prompts)
+    txt, pooled = loader.text(prompts)
+    x = torch.randn(n, (side // 2) ** 2, loader.autoencoder.channels * 4,
+                    generator=torch.Generator().manual_seed(seed)).to(device)
+    guided = not loader.args.guidance_embed and scale != 1.0  # CFG: the unconditional pass sees dropped text
+    ts = torch.linspace(1.0, 0.0, steps + 1).tolist()
+    for t, t_next in zip(ts[:-1], ts[1:], strict=True):
+        base = {"img_ids": loader.img_ids, "txt_ids": loader.txt_ids, "t": torch.full((n,), t, device=device),
+                "guidance": torch.full((n,), scale, device=device) if loader.args.guidance_embed else None}
+        v = velocity(model, {**base, "img": x, "txt": txt, "pooled": pooled}, cp_mesh)
+        if guided:
+            v_null = velocity(model, {**base, "img": x, "txt": torch.zeros_like(txt),
+                                      "pooled": torch.zeros_like(pooled)}, cp_mesh)
+            v = v_null + scale * (v - v_null)
+        x = x + (t_next - t) * v
+    return loader.autoencoder.decode(unpatchify(x, side, side)).cpu().numpy()
+
+
+def grid(images: np.ndarray, cols: int = 4) -> np.ndarray:
+    n, h, w, c = images.shape
+    rows = -(-n // cols)
+    out = np.zeros((rows * (h + 2) + 2, cols * (w + 2) + 2, c), dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, col = divmod(i, cols)
+        out[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + col * (w + 2):2 + col * (w + 2) + w] = img
+    return out
+
+
+def evaluate(tr, last: bool) -> bool:
+    """Sample grids of the training run: all ranks step the model (FSDP and CP need them all), rank 0 writes."""
+    f = tr.cfg.flux
+    if not f.sample_freq or not (tr.step % f.sample_freq == 0 or last):
+        return False
+    was_training = tr.model.training
+    tr.model.eval()
+    with tr.autocast:
+        images = sample(tr.model, tr.loader, list(f.sample_prompts), f.sample_steps, f.guidance_scale, f.sample_seed,
+                        tr.world.mesh["cp"] if tr.world.dims.cp > 1 else None)
+    tr.model.train(was_training)
+    if tr.world.rank != 0:
+        return True
+    picture = grid(images, cols=min(4, len(images)))
+    path = os.path.join(tr.cfg.job.dump_folder, "samples", f"step-{tr.step:06d}.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(picture).resize((picture.shape[1] * 4, picture.shape[0] * 4), Image.NEAREST).save(path)
+    if tr.metrics.tb is not None:
+        tr.metrics.tb.add_image("samples", picture, tr.step, dataformats="HWC")
+    log.info(f"step {tr.step}: samples of {len(images)} prompts in {path}")
+    return True

@@ -1,0 +1,163 @@
+"""`python -m tessera.estimate` and `python -m tessera.plan`: the estimate's peak against the peak of live tensor bytes
+the run itself reports (`metrics.live_memory`), for dense and MoE models under FSDP, TP, PP, CP, EP, with activation
+checkpointing on and off; the command lines (exit codes, one-line errors, JSON); the shipped configs fitting the GPUs
+they are meant for; and `plan` proposing only layouts the estimate says fit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tessera.config import ConfigError, parse_args
+from tessera.config.validate import validate
+from tessera.estimate.__main__ import HEADROOM
+from tessera.estimate.core import estimate
+from tests.dist_worker import BASE
+from tests.launch import ROOT, merge, run_cases
+from tests.test_config import BIG
+
+GIB = 2**30
+AC_MODES = ("none", "op", "full")
+DENSE = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"]
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "256",
+       "--training.local_batch_size", "4"]
+PP = ["--parallelism.pipeline_parallel_degree", "2"]
+# (what, ranks, flags): the README's validation table.
+VALIDATION = [
+    ("Llama 3 FSDP 2", 2, DENSE),
+    ("Llama 3 FSDP 2, full AC", 2, [*DENSE, "--activation_checkpoint.mode", "full"]),
+    ("Llama 3 TP 2, selective op AC", 2, [*DENSE, "--parallelism.tensor_parallel_degree", "2",
+                                          "--activation_checkpoint.mode", "selective",
+                                          "--activation_checkpoint.selective_ac_option", "op"]),
+    ("Llama 3 CP 2", 2, [*DENSE, "--parallelism.context_parallel_degree", "2"]),
+    ("Llama 3 PP 2 (1F1B, 4 micro-batches)", 2, [*DENSE, *PP]),
+    ("Qwen 3 MoE EP 2 (FSDP 2)", 2, [*MOE, "--parallelism.expert_parallel_degree", "2"]),
+    ("Llama 3 FSDP 2 x PP 2 (Interleaved1F1B, 8 micro-batches), accumulation 2", 4,
+     [*DENSE, *PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "8",
+      "--training.global_batch_size", "32"]),
+    ("Qwen 3 MoE EP 2 x TP 2", 4, [*MOE, "--parallelism.expert_parallel_degree", "2",
+                                   "--parallelism.tensor_parallel_degree", "2"]),
+]
+STEPS = 3  # the optimizer state exists from step 2 on: the windows of steps 2 and 3 hold the step's true peak
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, float]:
+    """Each case trained for STEPS steps with metrics.live_memory, the cases of one world size in one launch: the
+    largest `live_peak_gib` of steps 2 on (the largest rank's)."""
+    out = {}
+    for ranks in sorted({n for _, n, _ in VALIDATION}):
+        cases = [(what, flags) for what, n, flags in VALIDATION if n == ranks]
+        results = run_cases(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"),
+                            [[*flags, "--metrics.live_memory"] for _, flags in cases], STEPS, mode="train")
+        for (what, _), result in zip(cases, results, strict=True):
+            out[what] = max(h["live_peak_gib"] for h in result["history"] if h["step"] >= 2)
+    return out
+
+
+@pytest.mark.parametrize("what, ranks, flags", VALIDATION, ids=[v[0] for v in VALIDATION])
+def test_estimate_peak_within_15_percent_of_the_measured_peak(what, ranks, flags, measured, tmp_path):
+    cfg = parse_args(merge(BASE, ["--job.dump_folder", str(tmp_path)], flags))
+    got = estimate(cfg, ranks, "cpu")
+    peak = got.peak / GIB
+    print(f"| {what} | {ranks} | {measured[what] * 1024:.1f} | {peak * 1024:.1f} | {peak / measured[what] - 1:+.1%} |")
+    assert abs(peak / measured[what] - 1) <= 0.15, (what, peak, measured[what])
+    for kind in got.kinds:  # the peak holds what every rank keeps between steps, and more
+        assert kind.act > 0 and kind.peak > kind.params + kind.optimizer
+
+
+def estimate_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "tessera.estimate", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_estimate_cli_json_table_and_one_line_errors(capsys):
+    from tessera.estimate.__main__ import main
+
+    proc = estimate_cli("--job.config_file", str(ROOT / "configs" / "llama3_8b.toml"), "--world-size", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["layout"] == "FSDP 8" and got["world_size"] == 8 and len(got["kinds"]) == 1
+    kind = got["kinds"][0]
+    # 8.03B parameters in fp32, sharded 8 ways, and AdamW's two moments of them.
+    assert abs(kind["params"] / 4 / 8.03e9 * 8 - 1) < 0.01 and abs(kind["optimizer"] / kind["params"] - 2) < 0.01
+    assert 2 * GIB < kind["act"] < kind["peak"] < 72 * GIB and got["time"]["tokens_per_s"] > 0
+    assert main(["--job.config_file", str(ROOT / "configs" / "llama3_debug.toml"), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every rank" in out and "tokens/s per GPU" in out and "fits 80 GiB" in out
+    debug = ["--job.config_file", str(ROOT / "configs" / "llama3_debug.toml")]
+    for args, message in [(["--model.flavor", "debugmodel"], "--world-size: the config leaves "
+                                                             "data_parallel_shard_degree = -1"),
+                          ([*debug, "--world-size", "0"], "--world-size: 0 must be positive"),
+                          ([*debug, "--world-size", "x"], "--world-size: expected an integer, got 'x'"),
+                          ([*debug, "--world-size", "2", "--device", "tpu"], "--device: 'tpu' is not one of cuda"),
+                          ([*debug, "--world-size", "2", "--mfu", "2"], "--mfu: 2.0 is above 1"),
+                          ([*debug, "--world-size", "2", "--model.flavr", "8B"], "unknown option 'model.flavr'"),
+                          ([*debug, "--world-size", "2", "--parallelism.tensor_parallel_degree", "3"],
+                           "does not divide the world size 2")]:
+        assert main(args) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tessera: ") and message in lines[0], (args, lines)
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        estimate(parse_args(["--parallelism.tensor_parallel_degree", "2"]), 3, "cpu")
+    with pytest.raises(ConfigError, match="^metrics.live_memory: counts every op with a dispatch mode"):
+        validate(parse_args(["--metrics.live_memory", "--compile.enable"]), 1)  # compile would trace nothing
+
+
+SHIPPED = {**{name: world for name, (world, _) in BIG.items()}, "llama3_8b.toml": 8}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_config_fits_the_gpus_it_is_meant_for(name, tmp_path):
+    """Each big config at its world size: its peak within 90% of an 80 GiB GPU (the rest is the allocator's)."""
+    world = SHIPPED[name]
+    cfg = parse_args(["--job.config_file", str(ROOT / "configs" / name), "--model.hf_assets_path", ""])
+    if name == "deepseek_v3_671b.toml":  # the trace meets what the run would meet: see the xfail below
+        with pytest.raises(RuntimeError, match="stage backward"):
+            estimate(cfg, world, "cuda")
+        pytest.xfail("DeepSeek V3 671B under PP + FSDP in bf16: its MTP depth, kept but never run, is never gathered, "
+                     "and FSDP's post-backward fails on it ('FSDPParam' object has no attribute '_unsharded_param'); "
+                     "a CPU run of debugmodel_mtp with PP 2 x FSDP 2 in bf16 fails the same way")
+    peak = estimate(cfg, world, "cuda").peak
+    assert peak <= HEADROOM * 80 * GIB, f"{name}: {peak / GIB:.1f} GiB"
+
+
+@pytest.mark.parametrize("flags, ranks", [
+    (["--model.name", "llama4", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2"], 4),
+    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *PP, "--activation_checkpoint.mode", "full"], 4),
+    ([*DENSE, "--training.global_batch_size", "16"], 2)], ids=["llama4 EP 2", "deepseek PP 2 full AC", "accumulation"])
+def test_a_few_blocks_scaled_give_the_exact_trace(flags, ranks, monkeypatch, tmp_path):
+    """Sampling (one or two blocks of each kind, scaled by phase) against tracing every block, on models whose blocks
+    are of several kinds (dense first, MoE, NoPE / chunked attention), with and without pipelining."""
+    from tessera.estimate import core
+
+    cfg = parse_args(merge(BASE, ["--job.dump_folder", str(tmp_path)], flags))
+    monkeypatch.setattr(core, "SAMPLE_ABOVE", 2)
+    monkeypatch.setattr(core, "SAMPLE_ONLY_IF_CHEAPER", False)
+    exact, scaled = estimate(cfg, ranks, "cuda", exact=True), estimate(cfg, ranks, "cuda")
+    for a, b in zip(exact.kinds, scaled.kinds, strict=True):
+        assert abs(b.peak / a.peak - 1) < 0.01 and b.params == a.params and b.act == a.act, (a, b)
+
+
+def test_plan_for_8b_on_8_gpus_of_80_gib(capsys):
+    """plan's best layout fits by the estimate (checked again here) and includes FSDP; bad input is one line, exit
+    2."""
+    from tessera.plan import main
+
+    assert main(["--model.name", "llama3", "--model.flavor", "8B", "--gpus", "8", "--gpu_memory_gib", "80",
+                 "--seq_len", "8192", "--top", "1", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert len(found) == 1 and found[0]["tokens_per_s"] > 0 and found[0]["ac"] in AC_MODES
+    best = found[0]["overrides"]
+    assert best["parallelism"]["data_parallel_shard_degree"] > 1
+    flags = [f for section, keys in best.items() for k, v in keys.items() for f in (f"--{section}.{k}", str(v))]
+    peak = estimate(parse_args(["--model.name", "llama3", "--model.flavor", "8B", *flags]), 8, "cuda").peak
+    assert peak == found[0]["peak"] <= HEADROOM * 80 * GIB
+    for args, message in [([], "--gpus: required"), (["--gpus", "8"], "--model.flavor: required"),
+                          (["--gpus", "8", "--model.flavor", "8B", "--seq_len", "x"], "--seq_len: expected an int")]:
+        assert main(args) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, lines)
