@@ -36,9 +36,9 @@ def _trainer(argv: list[str], steps: int, dump: str):
 
 def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:
     """Full tensors of every parameter (or its .grad) of the whole model, gathered over pipeline stages, by the
-    names of the bare model (activation checkpointing wraps blocks)."""
+    names of the bare model (activation checkpointing wraps blocks); a parameter without a gradient is left out."""
     return _over_stages({bare_name(n): local(getattr(p, attr) if attr else p).detach().cpu().clone()
-                         for n, p in model.named_parameters()})
+                         for n, p in model.named_parameters() if getattr(p, attr or "data") is not None})
 
 
 def expert_biases(model) -> dict[str, torch.Tensor]:

@@ -267,7 +267,9 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     FSDP, whose first stage holds the dense block; TP 2 x EP 2 x FSDP 2 (MLA's plan: the rope key's gradient
     summed over TP); TP 2 x FSDP 2 on the plain-query V2 debug model; 2 MTP depths under EP 2 x FSDP 4; and,
     from HF folders, EP 2 x CP 2 on a YaRN-scaled MLA (its softmax scale kept by CP's kernel) and EP 2 x FSDP 4
-    on FP8 block-quantized weights (each rank dequantizing its own slices)."""
+    on FP8 block-quantized weights (each rank dequantizing its own slices). And DeepSeek V3 671B's layout in
+    small: PP 2 x FSDP 2 in bf16 with an MTP depth kept untrained, whose losses stay within bf16's 2% of one
+    fp32 process and whose depth is saved as initialized."""
     from tests.dist_worker import run_grads
     from tests.launch import assert_matches, run_cases
 
@@ -282,12 +284,18 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
                                                 "--parallelism.pipeline_parallel_microbatch_size", "2"]
     ep, cp, tp = (["--parallelism.expert_parallel_degree", "2"], ["--parallelism.context_parallel_degree", "2"],
                   ["--parallelism.tensor_parallel_degree", "2"])
-    references = [run_grads([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8)]
+    kept = [*mtp, "--training.mtp_loss_weight", "0"]
+    references = [run_grads([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, kept)]
     cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp],
              [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
-             [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep]]
-    for got, reference in zip(run_cases(4, tmp_path, cases, 4), references, strict=True):
+             [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep],
+             [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
+    *exact, bf16 = run_cases(4, tmp_path, cases, 4)
+    for got, reference in zip(exact, references[:-1], strict=True):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    assert_matches(bf16, references[-1], 2e-2, what=())
+    depth = {name for name in references[-1]["params"] if name.startswith("mtp.")}
+    assert depth and all(torch.equal(bf16["params"][n], references[-1]["params"][n]) for n in depth)
 
 
 def test_8_ranks_pp_x_ep_x_fsdp_x_tp_equal_one_process(tmp_path):

@@ -19,22 +19,32 @@ def mixed_precision(training, device: torch.device) -> tuple[torch.dtype, torch.
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, blocks: list[nn.Module], *, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: str = "default", cpu_offload: bool = False,
-               inner: tuple[tuple[nn.Module, DeviceMesh], ...] = (), inner_divide: float = 1.0) -> None:
+               inner: tuple[tuple[nn.Module, DeviceMesh], ...] = (), inner_divide: float = 1.0,
+               idle: tuple[nn.Module, ...] = ()) -> None:
     """`mesh` is 1D (FSDP) or 2D (replicate, shard) for HSDP; None: only the `inner` groups are sharded.
 
     `inner`: submodules sharded first, over meshes of their own (a MoE layer's experts and router), whose
     gradients are summed over their mesh and divided by `inner_divide`, the number of ranks that see
     different data (their mesh may hold ranks that see the same, or miss some that do not).
 
+    `idle`: modules kept (checkpointed, exported) but never run, such as an untrained MTP depth. Their groups
+    get no casting policy: between micro-batches torch 2.13's post-backward reads the gathered copy of every
+    group that keeps its gradients in another dtype, and a group that never ran was never gathered.
+
     The root group (embeddings, final norm, output) is not resharded by default: backward needs it
     first, so keeping it gathered saves one all-gather per step.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    cast = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    unused = {m for unit in idle for m in unit.modules()}
     # Pinned host memory needs an accelerator to pin for.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+
+    def shard(module: nn.Module, on: DeviceMesh, reshard: bool) -> None:
+        fully_shard(module, mesh=on, mp_policy=MixedPrecisionPolicy() if module in unused else cast,
+                    offload_policy=offload, reshard_after_forward=reshard)
+
     for module, inner_mesh in inner:
-        fully_shard(module, mesh=inner_mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward != "never")
+        shard(module, inner_mesh, reshard_after_forward != "never")
         module.set_gradient_divide_factor(inner_divide)
         # A sum, then the division: gloo has no pre-scaled sum. Not on a shard axis of 1 rank, where torch 2.13
         # would divide twice (once copying the unreduced gradient, once after the sum).
@@ -42,7 +52,5 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, blocks: list[nn.Module
     if mesh is None:
         return
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward != "never")
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                reshard_after_forward=reshard_after_forward == "always")
+        shard(block, mesh, reshard_after_forward != "never")
+    shard(model, mesh, reshard_after_forward == "always")

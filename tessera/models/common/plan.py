@@ -23,8 +23,10 @@ _FFN_TP_PLAN = {False: ffn_plan("feed_forward", ("w1", "w3"), "w2"), True: local
 
 
 def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp_plan: dict,
-                        high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = ()) -> nn.Module:
-    """`more_units`: modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths)."""
+                        high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = (),
+                        idle: bool = False) -> nn.Module:
+    """`more_units`: modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths);
+    `idle`: they are kept but never run (not trained in this layout)."""
     p = cfg.parallelism
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     apply_converters(model, cfg, world.device, high_precision)
@@ -50,5 +52,5 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
         apply_fsdp(model, dp_mesh, [*model.layers.values(), *more_units], param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
                    cpu_offload=cfg.training.enable_cpu_offload, inner=tuple(inner),
-                   inner_divide=world.dims.dp * world.dims.cp)
+                   inner_divide=world.dims.dp * world.dims.cp, idle=more_units if idle else ())
     return model

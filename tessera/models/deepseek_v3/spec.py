@@ -27,7 +27,8 @@ def mla_tp_plan(args) -> dict:
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
-    return parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths)
+    untrained = not cfg.training.mtp_loss_weight or world.dims.pp > 1  # PP with MTP is refused at launch
+    return parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained)
 
 
 SPEC = ModelSpec(model=DeepSeekV3, parallelize=parallelize, first_stage=("tok_embeddings",),
