@@ -44,16 +44,16 @@ def dp_mean(value: torch.Tensor, world: World) -> float:
     return value.item()
 
 
-def forward_backward(tr: Trainer, inputs: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
-    """Loss of one micro-batch (divided by grad_accum when training), with its backward when training.
-    Under pipelining the schedule runs both; only the last stage sees the loss (others return 0)."""
+def forward_backward(tr: Trainer, inputs: dict, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
+    """Loss of one micro-batch (divided by grad_accum when training), with its backward when training; `inputs`:
+    the model's by keyword. Under pipelining the schedule runs both (the first stage takes the tokens, every stage
+    the rest); only the last stage sees the loss (others return 0)."""
     pipe = tr.pipeline
     with loss_context(tr.loss_parallel):
         if pipe is None:
             with tr.autocast:
                 # Micro-batches hold equal token counts, so the mean of means is the global mean.
-                documents = None if tr.document_bos is None else (inputs == tr.document_bos).cumsum(1)
-                loss = tr.loss_fn(tr.model(inputs, documents=documents), labels)
+                loss = tr.loss_fn(tr.model(**inputs), labels)
                 if tr.extra_loss is not None:
                     loss = loss + tr.extra_loss(tr.model)
                 loss = loss / (tr.grad_accum if train else 1)
@@ -62,7 +62,11 @@ def forward_backward(tr: Trainer, inputs: torch.Tensor, labels: torch.Tensor, tr
             return local(loss.detach())
         losses = [] if pipe.last else None
         run = pipe.schedule.step if train else pipe.schedule.eval
-        run(*([inputs] if pipe.first else []), target=labels if pipe.last else None, losses=losses)
+        rest = {k: v for k, v in inputs.items() if k != "tokens"}
+        # Outputs not kept: the last stage would hold every micro-batch's logits to the end of the step.
+        with tr.autocast:  # bf16 without FSDP, on every stage as without PP
+            run(*([inputs["tokens"]] if pipe.first else []), target=labels if pipe.last else None, losses=losses,
+                return_outputs=False, **rest)
     if not losses:
         return torch.zeros((), device=tr.world.device)
     loss = local(torch.stack([local(x) for x in losses]).sum().detach())

@@ -18,6 +18,7 @@ from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, peak_flops
+from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
 from tessera.optim import build_lr_scheduler, build_optimizer
 from tessera.parallel import cp, pp
@@ -58,7 +59,8 @@ class Trainer:
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
     loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss"
-    batch_fn: Callable  # (trainer, loader) -> this rank's (inputs, labels) on its device: the family's, or token_batch
+    batch_fn: Callable  # (trainer, loader) -> this rank's (model inputs by keyword, labels) on its device: the
+    # family's, or token_batch
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
     document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
@@ -74,13 +76,29 @@ class Trainer:
     evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
 
 
-def token_batch(tr, loader) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's inputs and labels on its device; under context parallelism its chunks of each sequence."""
-    inputs, labels = loader.next_batch()
-    if tr.world.dims.cp > 1:
-        cp_mesh = tr.world.mesh["cp"]
-        inputs, labels = (cp.shard_sequence(x, cp_mesh.get_local_rank(), cp_mesh.size()) for x in (inputs, labels))
-    return inputs.to(tr.world.device, non_blocking=True), labels.to(tr.world.device, non_blocking=True)
+def token_batch(tr, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """This rank's model inputs and labels on its device (see token_inputs)."""
+    tokens, labels = loader.next_batch()
+    return token_inputs(tokens, labels, tr.document_bos, tr.world.mesh["cp"] if tr.world.dims.cp > 1 else None,
+                        tr.world.device)
+
+
+def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp_mesh, device: torch.device):
+    """Whole windows [batch, seq] -> the model's keyword inputs and the labels, this rank's chunks of each
+    sequence under context parallelism: `tokens`; with `bos` (block-causal masking: a document starts at each
+    BOS and at the window's start) each token's `documents` number and its place in it (`positions`, from 0 at
+    each document's start); under context parallelism the `positions` of its tokens in any case."""
+    inputs = {"tokens": tokens}
+    if bos is not None:
+        inputs["documents"] = (tokens == bos).cumsum(1)
+        inputs["positions"] = document_positions(inputs["documents"])
+    elif cp_mesh is not None:
+        inputs["positions"] = torch.arange(tokens.shape[1]).expand(tokens.shape)
+    if cp_mesh is not None:
+        rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+        inputs, labels = {k: cp.shard_sequence(v, rank, size) for k, v in inputs.items()}, \
+            cp.shard_sequence(labels, rank, size)
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, labels.to(device, non_blocking=True)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -143,11 +161,8 @@ def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum
 
 def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
     # FSDP CPU offload keeps sharded parameters in host memory.
-    cp_mesh = world.mesh["cp"] if world.dims.cp > 1 else None  # a rank holds chunks of each sequence
-    positions = cp.local_positions(cfg.training.seq_len, cp_mesh.get_local_rank(), cp_mesh.size()) if cp_mesh \
-        else None
     materialize(model, world.device, cfg.training.seed,
-                torch.device("cpu") if cfg.training.enable_cpu_offload else None, positions)
+                torch.device("cpu") if cfg.training.enable_cpu_offload else None)
 
 
 def uses_loss_parallel(cfg: JobConfig, world: World) -> bool:

@@ -72,7 +72,7 @@ def test_transformer_equals_diffusers(tmp_path, name):
                   img_ids=img_ids, txt_ids=txt_ids,
                   guidance=torch.full((b,), 3.5) if args.guidance_embed else None)
     with torch.no_grad():
-        got = ours(inputs)
+        got = ours(**inputs)
         want = theirs(hidden_states=inputs["img"], encoder_hidden_states=inputs["txt"],
                       pooled_projections=inputs["pooled"], timestep=inputs["t"], img_ids=img_ids, txt_ids=txt_ids,
                       guidance=inputs["guidance"]).sample
@@ -412,8 +412,8 @@ def test_euler_sampling_follows_the_flow_and_generate_writes_a_grid(tmp_path):
     x0 = patchify(loader.autoencoder.encode(target))
 
     class Exact(torch.nn.Module):
-        def forward(self, inputs):
-            return (inputs["img"] - x0) / inputs["t"][:, None, None]
+        def forward(self, img, t, **_):
+            return (img - x0) / t[:, None, None]
 
     for scale in (1.0, 4.0):
         images = sample.sample(Exact(), loader, captions, steps=7, scale=scale, seed=3)

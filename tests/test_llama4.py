@@ -189,13 +189,26 @@ def test_fsdp_ep_cp_tp_and_pp_equal_one_process(tmp_path, reference):
 
 
 def test_cp4_ep2_x_cp2_and_tp2_x_cp2_equal_one_process(tmp_path, reference):
-    """4 ranks: CP 4 (pieces of 4, a chunk spanning three of them), EP 2 x CP 2, TP 2 x CP 2."""
+    """4 ranks: CP 4 (pieces of 4, a chunk spanning three of them), EP 2 x CP 2, TP 2 x CP 2; and with short
+    documents packed into each window (block_causal: chunks and the NoPE temperature count from each document's
+    start), CP 2 x FSDP 2 and PP 2 x FSDP 2 (documents and positions reach every stage)."""
+    import json
+
+    from tests.dist_worker import run_grads
     from tests.launch import assert_matches, run_cases
 
+    docs = tmp_path / "short.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
+    packed = [*MODEL, "--training.dataset", "files", "--training.dataset_path", str(docs),
+              "--model.attn_mask_type", "block_causal"]
     cases = [[*MODEL, BATCH, "8", "--parallelism.context_parallel_degree", "4"], [*MODEL, BATCH, "4", *EP, *CP],
-             [*MODEL, BATCH, "8", *TP, *CP]]
-    for got in run_cases(4, tmp_path, cases, 4):
+             [*MODEL, BATCH, "8", *TP, *CP], [*packed, BATCH, "4", *CP], [*packed, BATCH, "4", *PP]]
+    *plain, cp_docs, pp_docs = run_cases(4, tmp_path, cases, 4)
+    for got in plain:
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    one = run_grads([*packed, BATCH, "8"], 4)
+    for got in (cp_docs, pp_docs):
+        assert_matches(got, one, 1e-5, what=("grads", "params"))
 
 
 def test_8_ranks_pp_x_tp_x_fsdp_x_ep_equal_one_process(tmp_path, reference):

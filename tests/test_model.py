@@ -160,17 +160,41 @@ def test_flex_attention_kernel_equals_the_materialized_one(window, chunk, sinks,
         assert not torch.allclose(flex_attend(q[:, :, -24:], k, v, window, chunk, 0.3, None, docs), got, atol=1e-3)
 
 
-def test_block_causal_attention_keeps_packed_documents_apart():
-    """Documents packed into one window, with their document numbers: each one's logits are those it has alone
-    (RoPE is relative, so its offset in the window does not matter), and differ from plain causal attention."""
-    model = _tiny()
+# Each family's debug model, narrowed where a mask or position rule would not show in 44 tokens: Llama 4's NoPE
+# temperature steps every 4 positions, steeply, and its chunks hold 8 (documents of 9 and 35 cross both at other
+# offsets).
+_PACKED = {"llama3": ("debugmodel", {}), "qwen3": ("debugmodel", {}), "qwen3_moe": ("debugmodel_moe", {}),
+           "deepseek_v3": ("debugmodel", {}), "gpt_oss": ("debugmodel", {}),
+           "llama4": ("debugmodel", {"floor_scale": 4, "attn_scale": 4.0, "chunk": 8})}
+
+
+@pytest.mark.parametrize("name", sorted(_PACKED))
+def test_documents_packed_into_a_window_equal_each_document_alone(name):
+    """Documents packed into one window, with their document numbers and positions reset per document (as the
+    trainer makes them for block_causal): each one's logits are those it has alone, within 1e-5 (Llama 4's chunks
+    count from each document's start). Without the reset, Llama 4's NoPE temperature follows window positions
+    and the second document's logits move (by 6e-4 here, against 2e-7 of rounding with it); without the mask,
+    any family's do."""
+    from tessera.models import family
+    from tessera.models.common.rope import document_positions
+
+    fam = family(name)
+    flavor, narrowed = _PACKED[name]
+    args = dataclasses.replace(fam.flavors[flavor], vocab_size=97, max_seq_len=64, **narrowed)
+    with torch.device("meta"):
+        model = fam.spec().model(args)
+    materialize(model, torch.device("cpu"), seed=0)
     gen = torch.Generator().manual_seed(3)
-    first, second = torch.randint(1, 97, (1, 12), generator=gen), torch.randint(1, 97, (1, 20), generator=gen)
+    first, second = torch.randint(1, 97, (1, 9), generator=gen), torch.randint(1, 97, (1, 35), generator=gen)
     first[0, 0] = second[0, 0] = 0  # each starts at BOS (id 0 here)
     packed = torch.cat([first, second], dim=1)
     documents = (packed == 0).cumsum(1)
+    assert document_positions(documents).tolist() == [[*range(9), *range(35)]]
     with torch.no_grad():
-        logits = model(packed, documents=documents)
-        torch.testing.assert_close(logits[:, :12], model(first), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(logits[:, 12:], model(second), rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(model(packed)[:, 12:], model(second), atol=1e-3)
+        alone = model(second)
+        logits = model(packed, documents=documents, positions=document_positions(documents))
+        torch.testing.assert_close(logits[:, :9], model(first), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[:, 9:], alone, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(model(packed)[:, 9:], alone, atol=1e-3)
+        if name == "llama4":
+            assert (model(packed, documents=documents)[:, 9:] - alone).abs().max() > 1e-4

@@ -4,7 +4,7 @@ each equal to a single-process run (fp32, same seed and data)."""
 import pytest
 import torch
 
-from tessera.parallel.cp import local_positions, shard_sequence
+from tessera.parallel.cp import shard_sequence
 from tests.dist_worker import run_grads
 from tests.launch import assert_matches, run_cases
 
@@ -21,7 +21,7 @@ def test_head_tail_sharding():
     x = torch.arange(16).view(1, 16)
     assert shard_sequence(x, 0, 2).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
-    assert local_positions(16, 1, 4).tolist() == [2, 3, 12, 13]
+    assert shard_sequence(torch.arange(16), 1, 4, dim=0).tolist() == [2, 3, 12, 13]
 
 
 def test_cp2_and_cp2_with_tp2_and_fsdp2(tmp_path, reference):

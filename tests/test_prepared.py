@@ -355,7 +355,8 @@ def test_bad_prepared_data_is_one_line_before_training(prepared, mixture, tmp_pa
 
 
 def test_resume_across_a_dp_change_and_document_masking_under_cp(prepared, tmp_path):
-    """A 1-rank run resumed from its step-4 checkpoint on 2 ranks reproduces its losses, samples and weights; and
+    """A 1-rank run resumed from its step-4 checkpoint on 2 ranks reproduces its losses, samples and weights (its
+    data_streams changed: prepared data is not dealt to streams); and
     block-causal attention (documents packed into each window) under CP 2 equals one process."""
     out = str(prepared[0] / "out")
     data = ["--training.dataset", "tokenized", "--training.dataset_path", out, "--training.local_batch_size", "8"]
@@ -365,7 +366,7 @@ def test_resume_across_a_dp_change_and_document_masking_under_cp(prepared, tmp_p
     causal = run_train(data, 8)
     resumed, cp2 = run_cases(2, tmp_path, [
         [*data, "--training.local_batch_size", "4", "--job.dump_folder",
-         str(resume_copy(tmp_path / "full", tmp_path / "dp2", 4)), *ckpt],
+         str(resume_copy(tmp_path / "full", tmp_path / "dp2", 4)), *ckpt, "--training.data_streams", "8"],
         [*data, "--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"]],
         8, mode="train")
     assert resumed["start"] == 4

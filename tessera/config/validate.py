@@ -52,9 +52,6 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_layout(cfg, args, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
-    if m.attn_mask_type == "block_causal" and dims.pp > 1:
-        raise ConfigError("model.attn_mask_type: block_causal needs each rank to see whole sequences' tokens, which "
-                          "pipeline stages after the first do not yet; use causal there")
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
         raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
                           f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")
@@ -121,7 +118,8 @@ def _check_resume(cfg: JobConfig):
     if resume is not None and resume[2].get("kind") == "full":
         step, path, _ = resume
         saved = read_saved_config(path).get("training", {})
-        if "data_streams" in saved and saved["data_streams"] != cfg.training.data_streams:
+        streamed = "tokenized" not in (cfg.training.dataset, saved.get("dataset"))  # prepared data has no streams
+        if streamed and "data_streams" in saved and saved["data_streams"] != cfg.training.data_streams:
             raise ConfigError(f"training.data_streams: {cfg.training.data_streams}, but the checkpoint at {path} "
                               f"dealt its data to {saved['data_streams']} streams; set --training.data_streams "
                               f"{saved['data_streams']} to resume it, or pick another job.dump_folder")

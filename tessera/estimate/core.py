@@ -203,7 +203,7 @@ def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, exact: bool)
             part = pp.cut(model, positions, (), (), (), (), spec.blocks)
             part = spec.parallelize(part, world, cfg)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            trace.materialize(part, world, cfg, fake)
+            trace.materialize(part, world, fake)
             return trace.trace_model(cfg, world, part, spec, args, grad_accum, bos, fake)
 
     tr = sampled(_kinds(model, spec.blocks), run, exact)
@@ -234,10 +234,10 @@ def _pipelined(cfg, dims, args, spec, grad_accum: int, exact: bool) -> list[Rank
             orders = _trace_rank(cfg, dims, args, spec, grad_accum, r * per_pp, keys, traced, n_micro, orders, exact)
         stages = [traced[k] for k in keys]
         order = orders.get(r) or pipeline.single_order(p.pipeline_parallel_schedule, ids[0], n_stages, n_micro)
-        costs = {i: pipeline.StageCost(grads=s.grads, act=s.act, retained=s.out, input_grad=0 if k[0] else s.io,
+        costs = {i: pipeline.StageCost(grads=s.grads, act=s.act, input_grad=0 if k[0] else s.io,
                                        first=s.first, transient=s.transient, end=s.end)
                  for i, s, k in zip(ids, stages, keys, strict=True)}
-        extra, in_flight = pipeline.held(order, costs, n_micro, n_stages - 1)
+        extra, in_flight = pipeline.held(order, costs)
         buffers = sum(n_micro * s.io * ((not k[0]) + (not k[1])) for s, k in zip(stages, keys, strict=True))
         params, grads = sum(s.params for s in stages), sum(s.grads for s in stages)
         optimizer = sum(s.optimizer for s in stages)
@@ -266,7 +266,7 @@ def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, t
                 fake = FakeTensorMode(allow_non_fake_inputs=True)
                 piece = pp.cut(part, positions, (), (), (), (), spec.blocks)
                 spec.parallelize(piece, world, cfg)
-                trace.materialize(piece, world, cfg, fake)
+                trace.materialize(piece, world, fake)
                 stage = PipelineStage(piece, i, n_stages, world.device, group=pp_mesh.get_group())
                 return trace.trace_stage(cfg, world, stage, spec, args, grad_accum, fake)
 

@@ -9,14 +9,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 @dataclasses.dataclass
 class StageCost:
     """Bytes of one stage: `grads` what its first backward of the step leaves for the rest of it (gradients); per
-    micro-batch `act` kept from its forward to its backward, `retained` kept to the end of the step (the last
-    stage's outputs, which the schedule merges), `input_grad` its input's gradient (kept in the receive buffer until
-    the next step); `first` needed by the first backward beyond the held activations (the gradients it makes
-    included), `transient` by a later one beyond held activations and gradients, `end` by the gradients' reduction
-    after the last backward."""
+    micro-batch `act` kept from its forward to its backward (the trainer has the schedule keep no outputs),
+    `input_grad` its input's gradient (kept in the receive buffer until the next step); `first` needed by the first
+    backward beyond the held activations (the gradients it makes included), `transient` by a later one beyond held
+    activations and gradients, `end` by the gradients' reduction after the last backward."""
     grads: int
     act: int
-    retained: int
     input_grad: int
     first: int
     transient: int
@@ -69,8 +67,7 @@ def single_order(schedule: str, stage: int, n_stages: int, n_micro: int) -> list
     return order
 
 
-def held(order: list[tuple[str, int, int]], costs: dict[int, StageCost], n_micro: int,
-         last_stage: int) -> tuple[int, int]:
+def held(order: list[tuple[str, int, int]], costs: dict[int, StageCost]) -> tuple[int, int]:
     """(the most bytes a rank needs over the step beyond its parameters, optimizer state and receive buffers, the
     most micro-batches' activations it holds at once). Gradients appear with each stage's first backward (the
     step starts without: zero_grad frees them); a full backward (B) frees its micro-batch's activations; a
@@ -92,8 +89,5 @@ def held(order: list[tuple[str, int, int]], costs: dict[int, StageCost], n_micro
                 started.add(stage)
             current += c.input_grad
         if kind in ("B", "W"):
-            current, count = current - (c.act - c.retained), count - 1
-    end = current + max((costs[s].end for s in costs), default=0)
-    if last_stage in costs:  # the schedule concatenates the last stage's outputs when the step ends
-        end = max(end, current + n_micro * costs[last_stage].retained)
-    return max(peak, end), most
+            current, count = current - c.act, count - 1
+    return max(peak, current + max((costs[s].end for s in costs), default=0)), most

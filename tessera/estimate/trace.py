@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
@@ -21,11 +20,10 @@ from tessera import experts
 from tessera.distributed import World, mesh_world
 from tessera.memory import LiveBytes
 from tessera.models.common import attention
-from tessera.parallel.cp import local_positions
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
 from tessera.train import forward_backward
-from tessera.trainer import build_side_losses, loss_fn, micro_batches, training_loss, uses_loss_parallel
+from tessera.trainer import build_side_losses, loss_fn, micro_batches, token_inputs, training_loss, uses_loss_parallel
 
 _SMALL = 1 << 16  # integer tensors up to this many elements carry values under EvenRouting
 _COLLECTIVES = ("c10d", "_c10d_functional", "fsdp")
@@ -211,7 +209,6 @@ class StageTrace:
     end: int  # under PP: what the gradients' reduction at the end of the step needs beyond what is live
     comm: int  # the most bytes of communication buffers alive at once (tessera.memory.LiveBytes.comm_peak)
     io: int  # bytes of one micro-batch between stages (PP: what a stage receives or sends)
-    out: int  # ... and output (the last stage's logits)
     phases: tuple[int, ...] = ()  # no PP: the peaks of the step's phases (see _phase_marks); `peak` is their largest
     first_phases: tuple[int, ...] = ()  # under PP, `first` and `transient` by phase (loss and last block, middle,
     transient_phases: tuple[int, ...] = ()  # first block and after); each is its phases' largest
@@ -223,19 +220,17 @@ def optimizer_bytes(module: nn.Module) -> int:
     return sum(2 * p.numel() * p.element_size() + 4 for p in local)
 
 
-def materialize(module: nn.Module, world: World, cfg, fake: FakeTensorMode) -> None:
+def materialize(module: nn.Module, world: World, fake: FakeTensorMode) -> None:
     """Fake storage for every parameter and buffer, and the buffers' values computed (RoPE tables)."""
-    cp_mesh = world.mesh["cp"] if world.dims.cp > 1 else None
     with fake:
         module.to_empty(device=world.device)
-        positions = local_positions(cfg.training.seq_len, cp_mesh.get_local_rank(), cp_mesh.size()) if cp_mesh \
-            else None
-        module.init_buffers(world.device, positions)
+        module.init_buffers(world.device)
 
 
-def _tokens(cfg, world: World, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    seq = cfg.training.seq_len // world.dims.cp
-    return torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+def _batch(cfg, world: World, batch: int, vocab: int, bos: int | None) -> tuple[dict, torch.Tensor]:
+    """The model's inputs and labels, as the trainer makes them for this rank."""
+    tokens, labels = (torch.randint(0, vocab, (batch, cfg.training.seq_len)) for _ in range(2))
+    return token_inputs(tokens, labels, bos, world.mesh["cp"] if world.dims.cp > 1 else None, world.device)
 
 
 def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int, bos: int | None,
@@ -252,7 +247,7 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
         base, forward_end, phases = meter.current, [], []
         hooks = [model.register_forward_hook(lambda *_: forward_end.append(meter.current)), *_phase_marks(
             [getattr(model, stack)[key] for stack in spec.blocks for key in getattr(model, stack)], meter, phases)]
-        inputs, labels = _tokens(cfg, world, cfg.training.local_batch_size, args.vocab_size)
+        inputs, labels = _batch(cfg, world, cfg.training.local_batch_size, args.vocab_size, bos)
         forward_backward(tr, inputs, labels)
         phases.append(meter.peak)
         grads = meter.current - base
@@ -263,7 +258,7 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
         for hook in hooks:
             hook.remove()
         return StageTrace(params=base, optimizer=optimizer_bytes(model), grads=grads, act=forward_end[0] - base,
-                          peak=max(phases), transient=0, first=0, end=0, comm=meter.comm_peak, io=0, out=0,
+                          peak=max(phases), transient=0, first=0, end=0, comm=meter.comm_peak, io=0,
                           phases=tuple(phases))
 
 
@@ -316,9 +311,8 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
     dtype = mixed_precision(t, world.device)[0] if world.dp_mesh() is not None else torch.float32
     with fake:
         boundary = torch.empty(mb, seq // world.dims.tp, args.dim, dtype=dtype)
-        inputs = [_tokens(cfg, world, mb, args.vocab_size)[0] if is_first else
-                  torch.empty_like(boundary).requires_grad_() for _ in range(2)]
-        labels = _tokens(cfg, world, mb, args.vocab_size)[1]
+        tokens, labels = _batch(cfg, world, mb, args.vocab_size, None)
+        inputs = [tokens["tokens"] if is_first else torch.empty_like(boundary).requires_grad_() for _ in range(2)]
         grad = None if is_last else torch.empty_like(boundary)
 
     def forward(x):
@@ -340,7 +334,7 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         meter.track(list(part.parameters()) + list(part.buffers()))
         base = meter.current
         runs = [forward(inputs[0])]
-        out, one = sum(st.nbytes() for st in _storages(runs[0][0])), meter.current
+        one = meter.current
         runs.append(forward(inputs[1]))
         two = meter.current
 
@@ -364,8 +358,4 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         return StageTrace(params=base, optimizer=optimizer_bytes(part), grads=with_grads - one, act=two - one,
                           peak=0, transient=max(transient), first=max(first), end=meter.peak - after,
                           comm=meter.comm_peak, io=boundary.numel() * boundary.element_size(),
-                          out=out if is_last else 0, first_phases=first, transient_phases=transient)
-
-
-def _storages(t) -> list:
-    return [st for x in tree_leaves(t) if isinstance(x, torch.Tensor) for st in get_untyped_storages(x)]
+                          first_phases=first, transient_phases=transient)

@@ -39,9 +39,11 @@ class Counts:
 @dataclass(frozen=True)
 class ModelSpec:
     """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
-    `init_buffers(device, positions=None)` (positions: each local token's global one, under context parallel),
-    `param_init(name, full_tensor, generator)`, and for decoding `forward(tokens, cache)` with
-    `new_cache(batch, max_len, dtype, device)`."""
+    `init_buffers(device, positions=None)` (its position tables, at `positions`: by default 0 ... max_seq_len - 1),
+    `param_init(name, full_tensor, generator)`, `forward(**inputs)` of the batch's inputs (token windows:
+    `tokens` [batch, seq], and when given `documents` and `positions` [batch, seq]: each token's document number,
+    which attention does not cross, and its position, e.g. in its document or, under context parallelism, in the
+    whole sequence), and for decoding `forward(tokens, cache)` with `new_cache(batch, max_len, dtype, device)`."""
 
     model: type
     parallelize: Callable  # (model, world, cfg) -> model: the family's plan over tessera.parallel
@@ -51,7 +53,7 @@ class ModelSpec:
     # order (a model with two stacks, Flux's double and single blocks, names both)
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
     loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
-    batch: Callable | None = None  # (trainer, loader) -> (inputs, labels) on device; None: token windows
+    batch: Callable | None = None  # (trainer, loader) -> (inputs by keyword, labels) on device; None: token windows
     evaluate: Callable | None = None  # (trainer, last step) -> whether it ran: the family's own evaluation after
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
     generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a

@@ -22,10 +22,6 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torc
     return torch.cat([chunks[i] for i in chunk_ids(cp_rank, cp)], dim=dim)
 
 
-def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
-    return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp, dim=0)
-
-
 def _in_order(parts, cp: int, dim: int) -> torch.Tensor:
     """Each rank's two chunks (`parts[rank]`, 2L long along `dim`) -> the whole sequence along `dim`."""
     ordered = [None] * (2 * cp)
@@ -76,8 +72,8 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        """`documents` [batch, 2L]: this rank's tokens numbered by the document starts among them alone, as the
-        trainer counts BOS over its local tokens; they are renumbered over the whole sequence here."""
+        """`documents` [batch, 2L]: the document numbers of this rank's tokens (numbered over the whole sequence);
+        the keys' are gathered here."""
         keys, values = self._whole(k), self._whole(v)
         docs = None if documents is None else self._documents(documents)
         size = q.shape[2] // 2
@@ -91,14 +87,12 @@ class ContextParallelAttention(nn.Module):
 
     @torch.compiler.disable
     def _documents(self, local: torch.Tensor) -> torch.Tensor:
-        """The whole sequence's document numbers [batch, 2·CP·L] from each rank's local ones: where a local
-        number changes (or is not 0 at the first token) a document starts; those starts are gathered in global
-        order and counted. Every layer of a forward asks with the same tensor: computed once."""
+        """The whole sequence's document numbers [batch, 2·CP·L], gathered in global order. Every layer of a
+        forward asks with the same tensor: gathered once."""
         if _gathered[0] is not local:
-            starts = (torch.diff(local, dim=1, prepend=torch.zeros_like(local[:, :1])) != 0).to(torch.uint8)
-            parts = [torch.empty_like(starts) for _ in range(self.cp)]
-            dist.all_gather(parts, starts.contiguous(), group=self.group)
-            _gathered[:] = [local, _in_order(parts, self.cp, dim=1).cumsum(1)]
+            parts = [torch.empty_like(local) for _ in range(self.cp)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            _gathered[:] = [local, _in_order(parts, self.cp, dim=1)]
         return _gathered[1]
 
 

@@ -23,15 +23,13 @@ def bare_name(name: str) -> str:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None,
-                positions: torch.Tensor | None = None) -> None:
-    """`param_device`: where parameters live when not on `device` (CPU under FSDP CPU offload); `positions`:
-    the global position of each local token, for the model's position tables (context parallel).
+def materialize(model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None) -> None:
+    """`param_device`: where parameters live when not on `device` (CPU under FSDP CPU offload).
 
     Values are generated on `device` either way, so offloading does not change them.
     """
     model.to_empty(device=param_device or device)
-    model.init_buffers(device, positions)
+    model.init_buffers(device)
     for name, param in model.named_parameters():
         name = bare_name(name)
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from tessera.models.common.rope import apply_rope
+from tessera.models.common.rope import apply_rope, document_positions, rope_rows
 
 
 def allowed(n_q: int, n_k: int, window: int = 0, chunk: int = 0, device=None) -> torch.Tensor:
@@ -30,6 +30,13 @@ def allowed(n_q: int, n_k: int, window: int = 0, chunk: int = 0, device=None) ->
     if chunk:
         ok &= k // chunk == q // chunk
     return ok
+
+
+def document_chunks(documents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Document numbers [batch, n] -> numbers of each document's chunks of `chunk` positions, counted from its
+    first token (the window's first token starts one too): attending within these is attending within the chunks
+    of each document as if it were alone."""
+    return (document_positions(documents) % chunk == 0).cumsum(1)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
@@ -52,12 +59,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, c
            scale: float | None = None, sinks: torch.Tensor | None = None,
            documents: torch.Tensor | None = None) -> torch.Tensor:
     """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
-    own document (`documents` [batch, n_k]: each position's document number), with `sinks`. FlexAttention on
+    own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
+    document's start), with `sinks`. FlexAttention on
     CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared memory on an
     H200) and other devices materialize the scores."""
     if q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider heads overflow its tiles
         return flex_attend(q, k, v, window, chunk, scale, sinks, documents)
     n_q, n_k = q.shape[2], k.shape[2]
+    if documents is not None and chunk:
+        documents, chunk = document_chunks(documents, chunk), 0
     mask = allowed(n_q, n_k, window, chunk, q.device)
     if documents is not None:  # [batch, 1 (heads), n_q, n_k]
         mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
@@ -67,6 +77,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, c
 def _mask_rule(n_q: int, n_k: int, window: int, chunk: int, documents: torch.Tensor | None):
     """`allowed` (and the documents) as a FlexAttention mask_mod."""
     offset = n_k - n_q
+    if documents is not None and chunk:
+        documents, chunk = document_chunks(documents, chunk), 0
 
     def rule(b, h, q_idx, kv_idx):
         pos = q_idx + offset
@@ -190,8 +202,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        """rope: the table for all positions, [max_seq_len, 2, head_dim]; `cache`: earlier positions' keys
-        and values, which x's positions follow; `documents`: see CausalSDPA."""
+        """rope: the table for all positions, [max_seq_len, 2, head_dim], or rows per token (see rope_rows);
+        `cache`: earlier positions' keys and values, which x's positions follow; `documents`: see CausalSDPA."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -200,7 +212,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         start = cache.length if cache is not None else 0
-        q, k = apply_rope(q, rope[start:start + seq]), apply_rope(k, rope[start:start + seq])
+        rows = rope_rows(rope, start, seq)
+        q, k = apply_rope(q, rows), apply_rope(k, rows)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)

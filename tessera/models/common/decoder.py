@@ -57,7 +57,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope", torch.empty(args.max_seq_len, 2, self.rope_dim, device="meta"), persistent=False)
 
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
-        """The RoPE table; `positions`: the global position of each local token (context parallel), else 0..n-1."""
+        """The RoPE table, at `positions` (default 0 ... max_seq_len - 1)."""
         positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
         a = self.args
         freqs = inv_freq(self.rope_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
@@ -67,23 +67,25 @@ class Decoder(nn.Module):
                 module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding;
-        `documents` [batch, seq]: each token's document number, which attention does not cross.
+        `documents` [batch, seq]: each token's document number, which attention does not cross; `positions`
+        [seq] or [batch, seq]: each token's position (default 0, 1, ...), e.g. its place in its document.
 
         A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
         """
-        h = self.hidden(tokens, cache, documents)
+        h = self.hidden(tokens, cache, documents, positions)
         return h if self.norm is None else self.head(self.norm(h))
 
     def hidden(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
-               documents: torch.Tensor | None = None) -> torch.Tensor:
+               documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The last block's output (before the final norm)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The whole table, or its rows per token, picked once for every layer: attention slices a table once it
+        # sees the whole sequence (under sequence parallelism the residual stream holds only a slice of it).
+        rope = self.rope if positions is None else self.rope[positions]
         for i, layer in enumerate(self.layers.values()):
-            # The whole table: attention slices it once it sees the whole sequence (under sequence
-            # parallelism the residual stream between blocks holds only a slice of it).
-            h = layer(h, self.rope, cache=cache[i] if cache is not None else None, documents=documents)
+            h = layer(h, rope, cache=cache[i] if cache is not None else None, documents=documents)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

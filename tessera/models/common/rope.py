@@ -64,8 +64,22 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor, scale: float = 1.0)
     return (torch.stack([angles.cos(), angles.sin()], dim=1) * scale).float()
 
 
+def rope_rows(rope: torch.Tensor, start: int, seq: int) -> torch.Tensor:
+    """The rows for `seq` tokens at positions start, start + 1...: a table [positions, rows, head_dim] is sliced;
+    rows a model already picked per token, [batch, seq, rows, head_dim], are theirs as they are."""
+    return rope[start:start + seq] if rope.dim() == 3 else rope
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; rope: [seq, 2, head_dim]."""
-    cos, sin = rope[:, 0].unsqueeze(1).to(x.dtype), rope[:, 1].unsqueeze(1).to(x.dtype)
+    """x: [batch, seq, heads, head_dim]; rope: [seq, 2, head_dim] or per token [batch, seq, 2, head_dim]."""
+    cos, sin = rope[..., 0, :].unsqueeze(-2).to(x.dtype), rope[..., 1, :].unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Document numbers [batch, n] -> each token's place in its document, from 0 at its first token (the window's
+    first token starts one too)."""
+    index = torch.arange(documents.shape[1], device=documents.device)
+    starts = torch.diff(documents, dim=1, prepend=documents[:, :1] - 1) != 0
+    return index - torch.where(starts, index, 0).cummax(1).values

@@ -10,7 +10,7 @@ from torch import nn
 
 from tessera.models.common.attention import CausalSDPA, KVCache
 from tessera.models.common.decoder import Decoder, TransformerBlock
-from tessera.models.common.rope import apply_rope
+from tessera.models.common.rope import apply_rope, rope_rows
 from tessera.models.common.side_loss import SideLoss
 
 
@@ -55,7 +55,7 @@ class MLA(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         start = cache.length if cache is not None else 0
-        positions = rope[start:start + seq]
+        positions = rope_rows(rope, start, seq)
         q = torch.cat([q_nope, self._rope(q_rot, positions)], dim=-1)
         k_rot = self._rope(k_rot.unsqueeze(2), positions).expand(-1, -1, k_nope.shape[2], -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
@@ -104,23 +104,25 @@ class DeepSeekV3(Decoder):
         self.mtp_loss = SideLoss("mtp_loss", "mtp_loss_weight")
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
-            return super().forward(tokens, cache, documents)
-        h = self.norm(self.hidden(tokens, documents=documents))
+            return super().forward(tokens, cache, documents, positions)
+        h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
         # Depth k at position i predicts token i+k+1: its inputs hold the last target but one, so each depth's
         # last position (whose target is the window's next token) is left out of its loss.
         losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), tokens[:, k + 1:].flatten())
-                  for k, out in enumerate(self.mtp_logits(h, tokens, documents), 1)]
+                  for k, out in enumerate(self.mtp_logits(h, tokens, documents, positions), 1)]
         return self.mtp_loss.attach(self.head(h), torch.stack(losses).mean())
 
-    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor,
-                   documents: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...), from the trunk's normed last hidden states
-        and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does)."""
+        and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its
+        slot i holds token i + k: its document and position are that token's."""
         out, embeddings = [], self.tok_embeddings(tokens)
         for k, depth in enumerate(self.mtp.values(), 1):
-            h = depth(h[:, :-1], embeddings[:, k:], self.rope, None if documents is None else documents[:, k:])
+            rope = self.rope if positions is None else self.rope[positions[..., k:]]
+            h = depth(h[:, :-1], embeddings[:, k:], rope, None if documents is None else documents[:, k:])
             out.append(self.head(h))
         return out
 

@@ -219,11 +219,7 @@ class Flux(nn.Module):
         else:
             nn.init.trunc_normal_(full, std=0.02, a=-0.04, b=0.04, generator=gen)
 
-    def forward(self, inputs: dict, documents=None) -> torch.Tensor:
-        """The trainer's call: `inputs` as the family's batch makes it (see denoise); `documents` is unused."""
-        return self.denoise(**inputs)
-
-    def denoise(self, img, txt, pooled, t, img_ids, txt_ids, guidance=None) -> torch.Tensor:
+    def forward(self, img, txt, pooled, t, img_ids, txt_ids, guidance=None) -> torch.Tensor:
         """The velocity [b, n, in_channels] of patchified latents `img` [b, n, in_channels] at times `t` [b] in
         [0, 1], given text features `txt` [b, m, context_dim] and `pooled` [b, pooled_dim]; ids [n, 3], [m, 3]."""
         vec = self.time_text_embed(t, pooled, guidance)

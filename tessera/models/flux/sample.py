@@ -32,8 +32,8 @@ def _gather_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 def velocity(model, inputs: dict, cp_mesh=None) -> torch.Tensor:
     if cp_mesh is None:
-        return model(inputs)
-    out = model(shard_inputs(inputs, cp_mesh.get_local_rank(), cp_mesh.size()))
+        return model(**inputs)
+    out = model(**shard_inputs(inputs, cp_mesh.get_local_rank(), cp_mesh.size()))
     return _gather_sequence(out, cp_mesh.get_group(), cp_mesh.size())
 
 
