@@ -393,7 +393,8 @@ def test_configs_check_and_refusals(tmp_path):
             (["--training.seq_len", "100"], r"training.seq_len: 100, .* set --training.seq_len 112"),
             (["--flux.encoders", str(tmp_path)], r"flux.encoders: .* \(no text_encoder, "),
             (["--flux.encoders", str(release)], "model.flavor: 'flux-debug' takes 12 input channels"),
-            (["--training.dataset", "stdlib"], "training.dataset: 'stdlib' is not an image-caption dataset")):
+            (["--training.dataset", "stdlib"], "training.dataset: 'stdlib' is not an image-caption dataset"),
+            (["--model.attn_mask_type", "block_causal"], "model.attn_mask_type: 'block_causal' masks packed")):
         with pytest.raises(ConfigError, match=message):
             validate(parse_args([*base, *flags]), 2)
 

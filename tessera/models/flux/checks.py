@@ -69,6 +69,9 @@ def check_config(cfg) -> None:
                          f"tessera.models.flux.cache (same flags), or leave it empty to encode on the fly")
     if m.converters:
         raise ValueError("model.converters: Float8/MX are not wired into flux yet; remove them")
+    if m.attn_mask_type != "causal":
+        raise ValueError(f"model.attn_mask_type: '{m.attn_mask_type}' masks packed documents of tokens; flux attends "
+                         f"over one image and its caption in both directions; remove it")
     latents, scale = autoencoder_shape(f.encoders)
     if args.in_channels != latents * PATCH * PATCH:
         raise ValueError(f"model.flavor: '{m.flavor}' takes {args.in_channels} input channels, but flux.encoders = "
