@@ -41,6 +41,36 @@ def test_exact_resume_single_process(tmp_path):
     _params_equal(resumed["params"], full["params"])  # bit for bit
 
 
+def test_resumes_a_checkpoint_holding_the_training_state_as_bytes(tmp_path, monkeypatch):
+    """Checkpoints hold the training state as a uint8 tensor (torch.load's weights_only refuses DCP's BytesIO in
+    dcp_to_torch_save's output); those from before, holding it as bytes, still resume exactly."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from tessera.checkpoint import manager
+
+    def bytes_blob(train: dict) -> io.BytesIO:
+        blob = io.BytesIO()
+        torch.save(train, blob)
+        blob.seek(0)
+        return blob
+
+    monkeypatch.setattr(manager, "train_blob", bytes_blob)
+    ckpt = [*CKPT, "--checkpoint.interval", "2"]
+    full = run_train(["--job.dump_folder", str(tmp_path / "full"), *ckpt], 4)
+    monkeypatch.undo()
+    old = tmp_path / "full/checkpoint/step-2"
+    assert isinstance(FileSystemReader(str(old)).read_metadata().state_dict_metadata["train"], BytesStorageMetadata)
+    resumed = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "full", tmp_path / "r", 2)), *ckpt], 4)
+    assert resumed["start"] == 2 and resumed["losses"] == {s: full["losses"][s] for s in (3, 4)}
+    _params_equal(resumed["params"], full["params"])
+    dcp_to_torch_save(str(tmp_path / "r/checkpoint/step-4"), str(tmp_path / "step-4.pt"))
+    saved = torch.load(tmp_path / "step-4.pt")  # weights_only, the default
+    assert saved["train"].dtype == torch.uint8 and manager.read_train(saved["train"])["train_state"]["step"] == 4
+
+
 def global_batch_ids(argv: list[str], global_batch: int, steps: int) -> list[list[int]]:
     """Per step, the sorted ids (as tests/dist_worker.py's) of the global batch, read by one rank holding it all."""
     cfg = parse_args([*argv, "--training.local_batch_size", str(global_batch)])

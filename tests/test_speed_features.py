@@ -5,6 +5,7 @@ The 2-rank cases run in one torchrun launch of this file (see `_worker` at the b
 """
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from tessera.config import ConfigError, parse_args, validate as validate_module
 from tessera.config.validate import validate
@@ -390,22 +392,78 @@ def test_float8_rowwise_with_tp_matches_fsdp(tmp_path):
     assert tp["losses"] != high["losses"]
 
 
-def test_checkpoint_with_ac_float8_offload_resumes_and_loads_plain(tmp_path):
-    """Saved keys are the bare model's: the run resumes exactly, and a run without the features loads it."""
+@contextlib.contextmanager
+def _as_a_process_without_torchao():
+    """torch.load's allowlist as in a process that never imported torchao (whose import allowlists its weight
+    wrappers, and other tests here import it)."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(saved)
+
+
+def _torch_save_of(folder) -> dict:
+    """torch's own converter on a DCP folder, its output read with torch.load's default (weights_only): every
+    tensor in it a plain torch.Tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder.parent / f"{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(out))
+    saved = torch.load(out)
+    tensors = tree_flatten(saved)[0]
+    assert tensors and {type(t) for t in tensors if isinstance(t, torch.Tensor)} == {torch.Tensor}, folder
+    return saved
+
+
+def test_float8_and_mx_checkpoints_hold_plain_tensors(tmp_path, capsys):
+    """Float8 with FSDP float8 all-gathers (and MX) keeps weights in torchao wrapper subclasses; checkpoints and
+    exports hold plain tensors. The float8 run (with AC and CPU offload) resumes exactly, and without the
+    converter; a plain run resumes with it; generate, convert dcp-to-hf and torch's dcp_to_torch_save read the
+    checkpoints and exports where torchao's classes are unknown. Saved keys are the bare model's."""
+    from tessera import convert, generate
+
     features = ["--activation_checkpoint.mode", "full", "--training.enable_cpu_offload",
                 "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                 "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", *F8]
     ckpt = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
             "--checkpoint.keep_latest_k", "0"]
-    (first,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "a"), *ckpt, *features]], 4, mode="train")
-    resumed, plain = run_cases(2, tmp_path, [
-        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "b", 2)), *ckpt, *features],
-        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "c", 2)), *ckpt]], 4, mode="train")
-    assert resumed["start"] == plain["start"] == 2
+    first, plain, mx = run_cases(2, tmp_path, [
+        ["--job.dump_folder", str(tmp_path / "a"), *ckpt, *features],
+        ["--job.dump_folder", str(tmp_path / "p"), *ckpt],
+        ["--job.dump_folder", str(tmp_path / "m"), *ckpt, *MX, "--checkpoint.last_save_in_hf"]], 4, mode="train")
+    # The first case runs before anything in its processes imports torchao: resuming needs none of its classes.
+    unconverted, resumed, converted = run_cases(2, tmp_path, [
+        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "b", 2)), *ckpt],
+        ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "c", 2)), *ckpt, *features],
+        ["--job.dump_folder", str(resume_copy(tmp_path / "p", tmp_path / "q", 2)), *ckpt, *features]],
+        4, mode="train")
+    assert unconverted["start"] == resumed["start"] == converted["start"] == 2
     assert resumed["losses"] == {3: first["losses"][3], 4: first["losses"][4]}
     for name, value in resumed["params"].items():
         assert torch.equal(value, first["params"][name]), name
-    assert abs(plain["losses"][3] - first["losses"][3]) <= LOW_PRECISION_TOL
+    for step in (3, 4):  # the same weights and optimizer state, the other precision
+        assert abs(unconverted["losses"][step] - first["losses"][step]) <= LOW_PRECISION_TOL
+        assert abs(converted["losses"][step] - plain["losses"][step]) <= LOW_PRECISION_TOL
+    assert converted["losses"] != {s: plain["losses"][s] for s in (3, 4)}  # it really resumed in float8
+
+    run = tmp_path / "a" / "checkpoint"
+    with _as_a_process_without_torchao():
+        assert _torch_save_of(run / "step-4")["model"].keys() == first["params"].keys()
+        assert _torch_save_of(tmp_path / "m" / "checkpoint" / "step-4")["optimizer"]
+        exported = _torch_save_of(run / "exports" / "step-4")["model"]
+        capsys.readouterr()
+        assert generate.main(["--job.dump_folder", str(tmp_path / "a"), "--generate.prompt_ids", "1,2,3",
+                              "--generate.max_new_tokens", "4", "--generate.temperature", "0"]) == 0
+        assert convert.main(["dcp-to-hf", str(run / "exports" / "step-4"), str(tmp_path / "hf")]) == 0
+        from_hf = dict(generate.from_pretrained(tmp_path / "hf")[0].named_parameters())
+        mx_from_hf = dict(generate.from_pretrained(tmp_path / "m" / "checkpoint" / "exports" / "step-4",
+                                                   hf=True)[0].named_parameters())
+    for name, value in first["params"].items():
+        assert torch.equal(exported[name], value) and torch.equal(from_hf[name], value), name
+    for name, value in mx["params"].items():
+        assert torch.equal(mx_from_hf[name], value), name
 
 
 def _worker(out: str, cases: list[list[str]]) -> None:

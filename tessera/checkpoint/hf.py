@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from tessera import models
-from tessera.checkpoint import mxfp4
+from tessera.checkpoint import mxfp4, plain
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # as transformers' save_pretrained
@@ -61,8 +61,9 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     of a job calls it: each writes its shards under out_dir/sharded, then rank 0 merges them into full tensors
     and removes the shards.
     """
-    if isinstance(model_state, nn.Module):
-        model_state = get_model_state_dict(model_state)
+    # Plain tensors: safetensors knows no training wrapper (float8, MX).
+    is_model = isinstance(model_state, nn.Module)
+    model_state = plain.model_state(model_state) if is_model else plain.plain_state(model_state)
     family = family or models.family_of(args).name
     hf = models.family(family).hf
     # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
@@ -189,7 +190,7 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
                           f"model {list(t.shape)}")
     # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
-    targets = fam.hf.to_hf(get_model_state_dict(model))
+    targets = fam.hf.to_hf(plain.model_state(model))
     reads = {n: t for n, t in targets.items() if n not in quantized}
     for name in quantized & targets.keys():
         reads.update(mxfp4.parts(targets[name], saved, name))

@@ -7,7 +7,6 @@ save of a run is a full checkpoint like the others; the exports it may add (mode
 go to `exports/step-N/`, which resuming never reads.
 """
 
-import io
 import json
 import logging
 import os
@@ -24,8 +23,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -41,6 +38,7 @@ from tessera.checkpoint.folder import (
     verify,
     write_marker,
 )
+from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
 from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
@@ -119,7 +117,7 @@ class Checkpointer:
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, tr, model_only: bool, dtype: torch.dtype | None = None) -> dict:
-        model = get_model_state_dict(tr.model)
+        model = model_state(tr.model)  # plain tensors, whatever wraps the weights
         if dtype is not None:
             model = {k: v.to(dtype) for k, v in model.items()}
         if model_only:
@@ -129,10 +127,7 @@ class Checkpointer:
                  "dataloader": tr.loader.state_dict(),
                  "rng": {"cpu": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-        blob = io.BytesIO()
-        torch.save(train, blob)
-        blob.seek(0)
-        return {"model": model, "optimizer": get_optimizer_state_dict(tr.model, tr.optimizer), "train": blob}
+        return {"model": model, "optimizer": optimizer_state(tr.model, tr.optimizer), "train": train_blob(train)}
 
     # ---- save ----------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool) -> bool:
@@ -170,7 +165,7 @@ class Checkpointer:
         dtype = DTYPES[self.c.export_dtype]
         if self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
-            save_hf(get_model_state_dict(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,
+            save_hf(model_state(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,
                     bos_id=tr.tokenizer.bos_id, eos_id=tr.tokenizer.eos_id)
             kind = "hf"
         else:
@@ -185,7 +180,7 @@ class Checkpointer:
     def save_seed(self, tr) -> None:
         """Step 0, model only, fp32: the common starting point of every layout."""
         path = os.path.join(self.root, "step-0")
-        dcp.save({"model": get_model_state_dict(tr.model)}, checkpoint_id=path)
+        dcp.save({"model": model_state(tr.model)}, checkpoint_id=path)
         self._finish(path, 0, "model", tr.model_args)
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
@@ -256,7 +251,7 @@ class Checkpointer:
         if "optimizer" in excluded:
             state.pop("optimizer", None)
         if "train" in state:
-            state["train"] = io.BytesIO()
+            state["train"] = train_target(path)
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.pg)
         except Exception as e:  # DCP names the storage error; add which checkpoint it was
@@ -266,8 +261,7 @@ class Checkpointer:
         if "optimizer" in state:
             set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
         if "train" in state:
-            state["train"].seek(0)
-            self._load_train_state(tr, torch.load(state["train"], weights_only=False), excluded)
+            self._load_train_state(tr, read_train(state["train"]), excluded)
 
     @staticmethod
     def _load_train_state(tr, train: dict, excluded: set[str]) -> None:
