@@ -27,3 +27,24 @@ if [ ! -x "$TESSERA_VENV/bin/python" ] || [ "$(cat "$_stamp" 2>/dev/null)" != "$
 fi
 PYTHON="$TESSERA_VENV/bin/python"
 export PYTHONPATH="$TESSERA_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# run_train.sh and the SLURM script name their CONFIG_FILE unless the flags give --job.config_file (the user's
+# wins: torchrun users type it; given twice, the config check refuses it). Usage: config_flag DEFAULT "$@";
+# sets CONFIG_FLAG to the flags to pass.
+config_flag() {
+  local default="$1" arg after="" given=()
+  shift
+  for arg in "$@"; do
+    if [ -n "$after" ]; then given+=("$arg"); after=""; fi
+    case "$arg" in
+      --job.config_file) after=1 ;;
+      --job.config_file=*) given+=("${arg#*=}") ;;
+    esac
+  done
+  CONFIG_FLAG=(--job.config_file "$default")
+  [ "${#given[@]}" -eq 0 ] && return 0
+  CONFIG_FLAG=()
+  if [ "${#given[@]}" -eq 1 ] && [ -n "${CONFIG_FILE:-}" ] && [ "${given[0]}" != "$CONFIG_FILE" ]; then
+    echo "tessera: --job.config_file ${given[0]} is read, not CONFIG_FILE=$CONFIG_FILE" >&2
+  fi
+}

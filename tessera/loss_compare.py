@@ -5,11 +5,14 @@ A and B are each a TOML config, run here for --steps steps on the same seed and 
 is. Prints the per-step loss of both and their relative difference |A - B| / |A|, writes compare.png and
 compare.json in --out, and exits 0 when every step is within --tolerance, 1 when one is not, 2 on bad input:
 the check to run before trusting a new layout or feature on a cluster (fp32 layouts agree to ~1e-5; bf16 to
-~1e-2).
+~1e-2). Both sides train the same global batch: one that follows the layout (global_batch_size = -1) is raised
+to what the other trains, accumulating.
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -18,27 +21,81 @@ import sys
 from tessera.report import read_run, series
 
 
-def run_side(source: str, name: str, a: argparse.Namespace, extra: str, nproc: int) -> str:
-    """The dump folder holding `source`'s metrics: itself, or where its config was just run."""
-    if os.path.isdir(source):
-        return source
-    if not os.path.isfile(source):
-        raise ValueError(f"{source}: neither a TOML config nor a run's dump folder")
-    dump = os.path.join(a.out, name)
-    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
-        raise ValueError(f"{dump} holds an earlier comparison's run; remove it or pick another --out")
+def side_argv(source: str, dump: str, a: argparse.Namespace, extra: str) -> list[str]:
+    """tessera.train's flags for one side: its config, the shared and its own overrides."""
+    return ["--job.config_file", source, "--job.dump_folder", dump, "--training.steps", str(a.steps),
+            "--metrics.log_freq", "1", "--checkpoint.enable=false", *shlex.split(a.overrides), *shlex.split(extra)]
+
+
+def hold_like_with_like(sides: list[tuple[str, list[str], int]]) -> list[list[str]]:
+    """Flags that make the sides (name, argv, processes) train the same global batch, so that each step takes the
+    same samples on both. A side whose global batch follows its layout (global_batch_size = -1: local batch x
+    data-parallel degree) takes the smallest that both layouts can accumulate to, named in one line; two that
+    were given different ones are refused in one line. Different data settings are named in a line too."""
+    from tessera.config import parse_args
+    from tessera.config.validate import data_differences, validate
+
+    found = []
+    for name, argv, nproc in sides:
+        try:
+            cfg = parse_args(argv)
+            dims = validate(cfg, nproc)
+        except ValueError as e:
+            raise ValueError(f"run {name}: {e}") from None
+        t = cfg.training
+        found.append((name, t, t.local_batch_size * dims.dp))
+    (_, ta, pa), (_, tb, pb) = found
+    ga, gb = (t.global_batch_size if t.global_batch_size != -1 else p for _, t, p in found)
+    for key, va, vb in data_differences(dataclasses.asdict(ta), dataclasses.asdict(tb)):
+        print(f"loss_compare: A and B read different data (training.{key} {va!r} and {vb!r}): their losses differ "
+              f"by that too", flush=True)
+    if ga == gb:
+        return [[], []]
+    fixed = {t.global_batch_size for _, t, _ in found if t.global_batch_size != -1}
+    target = math.lcm(pa, pb, *fixed)
+    if len(fixed) == 2 or target not in (fixed or {target}):
+        raise ValueError(f"A trains a global batch of {ga} sequences a step and B one of {gb}, so a step of one is "
+                         f"not a step of the other; give both one --training.global_batch_size (in --overrides), a "
+                         f"multiple of {pa} (A's local batch x data-parallel degree) and of {pb} (B's)")
+    print(f"loss_compare: A would train a global batch of {ga} sequences a step and B one of {gb}; both train "
+          f"{target} (--training.global_batch_size {target}; a layout below it accumulates) to compare like with "
+          f"like", flush=True)
+    return [[] if t.global_batch_size != -1 else ["--training.global_batch_size", str(target)] for _, t, _ in found]
+
+
+def run_side(name: str, argv: list[str], nproc: int) -> None:
+    """Runs one side's config (its argv from side_argv) through tessera.launch."""
     cmd = [sys.executable, "-m", "tessera.launch", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "tessera.train", "--job.config_file", source, "--job.dump_folder", dump, "--training.steps",
-           str(a.steps), "--metrics.log_freq", "1", "--checkpoint.enable=false", *shlex.split(a.overrides),
-           *shlex.split(extra)]
+           "tessera.train", *argv]
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env and not _has_gpu():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     print(f"loss_compare: running {name}: {shlex.join(cmd[2:])}", flush=True)
     proc = subprocess.run(cmd, env=env)
     if proc.returncode:
-        raise RuntimeError(f"run {name} ({source}) failed with exit status {proc.returncode}; its output is above")
-    return dump
+        raise RuntimeError(f"run {name} failed with exit status {proc.returncode}; its output is above")
+
+
+def run_sides(a: argparse.Namespace) -> list[str]:
+    """The dump folder of each side: a finished run's, read as it is, or where its config was just run."""
+    sides = []
+    for source, name, extra, nproc in ((a.a, "a", a.a_flags, a.nproc_a), (a.b, "b", a.b_flags, a.nproc_b)):
+        if os.path.isdir(source):
+            sides.append((source, None, nproc))
+            continue
+        if not os.path.isfile(source):
+            raise ValueError(f"{source}: neither a TOML config nor a run's dump folder")
+        dump = os.path.join(a.out, name)
+        if os.path.exists(os.path.join(dump, "metrics.jsonl")):
+            raise ValueError(f"{dump} holds an earlier comparison's run; remove it or pick another --out")
+        sides.append((dump, side_argv(source, dump, a, extra), nproc))
+    if all(argv is not None for _, argv, _ in sides):  # a finished run is compared as it ran
+        held = hold_like_with_like([(name, argv, nproc) for name, (_, argv, nproc) in zip("AB", sides, strict=True)])
+        sides = [(dump, argv + more, nproc) for (dump, argv, nproc), more in zip(sides, held, strict=True)]
+    for name, (dump, argv, nproc) in zip("ab", sides, strict=True):
+        if argv is not None:
+            run_side(name, argv, nproc)
+    return [dump for dump, _, _ in sides]
 
 
 def _has_gpu() -> bool:
@@ -96,9 +153,7 @@ def main(argv: list[str]) -> int:
     try:
         if a.steps < 1 or a.nproc_a < 1 or a.nproc_b < 1 or not a.tolerance >= 0:
             raise ValueError("--steps, --nproc_a and --nproc_b must be >= 1 and --tolerance >= 0")
-        dumps = [run_side(src, name, a, flags, n) for src, name, flags, n in
-                 ((a.a, "a", a.a_flags, a.nproc_a), (a.b, "b", a.b_flags, a.nproc_b))]
-        result = compare(*dumps, a.tolerance)
+        result = compare(*run_sides(a), a.tolerance)
     except ValueError as e:
         print(f"tessera.loss_compare: {e}", file=sys.stderr)
         return 2

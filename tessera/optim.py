@@ -18,14 +18,35 @@ def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
                weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
 
 
+def phases(cfg: LRScheduler, total: int) -> tuple[int, int]:
+    """(warm-up, decay) steps of a run of `total` steps. The warm-up is the configured one whatever the total, so
+    a run shorter than it (a smoke run) follows the first steps of the full run's schedule and an extended one
+    goes on from there; the decay takes at most what the warm-up leaves."""
+    decay = total - cfg.warmup_steps if cfg.decay_ratio is None else round(cfg.decay_ratio * total)
+    return cfg.warmup_steps, max(0, min(decay, total - cfg.warmup_steps))
+
+
+def schedule_note(cfg: LRScheduler, total: int, peak_lr: float) -> str | None:
+    """One line saying how a run too short for its schedule runs it, or None when the schedule fits."""
+    warmup, decay = phases(cfg, total)
+    if warmup > total:
+        return (f"lr_scheduler.warmup_steps: {warmup} is longer than the run (training.steps = {total}); the run ends "
+                f"inside the warm-up, at lr {peak_lr * lr_lambda(total - 1, cfg, total):.3g} ({total}/{warmup + 1} of "
+                f"optimizer.lr {peak_lr:g}), and does not decay: the first {total} steps of the longer run's schedule")
+    asked = None if cfg.decay_ratio is None else round(cfg.decay_ratio * total)
+    if asked is not None and asked > decay:
+        then = f"decays over the last {decay} steps instead" if decay else "does not decay"
+        return (f"lr_scheduler.decay_ratio: warm-up {warmup} + decay {asked} steps is longer than the run "
+                f"({total} steps); the lr {then}")
+    return None
+
+
 def lr_lambda(step: int, cfg: LRScheduler, total: int) -> float:
     """Warmup, stable, decay (WSD). `step` counts from 0; returns a factor of the peak lr.
 
     Warmup starts at 1/(warmup+1) rather than 0 so the first step still learns.
     """
-    warmup = min(cfg.warmup_steps, total)
-    decay = total - warmup if cfg.decay_ratio is None else round(cfg.decay_ratio * total)
-    decay = min(decay, total - warmup)
+    warmup, decay = phases(cfg, total)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if step < total - decay or decay == 0:

@@ -20,7 +20,7 @@ from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
-from tessera.optim import build_lr_scheduler, build_optimizer
+from tessera.optim import build_lr_scheduler, build_optimizer, schedule_note
 from tessera.parallel import cp, pp
 from tessera.parallel.compile import compile_loss
 from tessera.parallel.fsdp import mixed_precision
@@ -220,6 +220,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
+        log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
     data = spec.data or (lambda c, w, _, split, bad: build_dataloader(c, tokenizer, w.dp_rank, w.dims.dp, split, bad))
     loader = data(cfg, world, args, "train", bad)

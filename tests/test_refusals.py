@@ -155,8 +155,6 @@ BAD_VALUES = [
     (["--training.seed", str(2**64)], "training.seed (on the command line): 18446744073709551616 is above the maximum"),
     (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio (on the command line): 1.5 is above the maximum"),
     (["--lr_scheduler.min_lr_factor", "5"], "lr_scheduler.min_lr_factor (on the command line): 5.0 is above the"),
-    (["--lr_scheduler.warmup_steps", "9"], "lr_scheduler.warmup_steps: 9 is longer than the run"),
-    (["--lr_scheduler.decay_ratio", "0.9"], "lr_scheduler.decay_ratio: warm-up 2 + decay 4 steps is longer than"),
     (["--compile.enable", "--compile.components", ""], "compile.components: empty while compile.enable = true"),
     (["--job.dump_folder", ""], "job.dump_folder: empty"),
     (["--job.config_file", "configs"], "job.config_file: 'configs' is a folder"),

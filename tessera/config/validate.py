@@ -3,6 +3,7 @@
 import dataclasses
 import glob
 import json
+import logging
 import os
 
 from tessera import architecture
@@ -19,6 +20,8 @@ from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
+log = logging.getLogger("tessera")
+
 
 def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Check everything that can be checked without torch; returns the resolved parallel degrees."""
@@ -29,7 +32,6 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
                           f"{', '.join(family(m.name).flavors)}")
     _check_folders(cfg)
-    _check_schedule(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
     args = _check_resume(cfg)
@@ -96,16 +98,6 @@ def _check_folders(cfg: JobConfig) -> None:
         _writable_folder("checkpoint.folder", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
 
 
-def _check_schedule(cfg: JobConfig) -> None:
-    s, steps = cfg.lr_scheduler, cfg.training.steps
-    if s.warmup_steps > steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} is longer than the run (training.steps = "
-                          f"{steps}); the peak lr would never be reached")
-    if s.decay_ratio is not None and s.warmup_steps + round(s.decay_ratio * steps) > steps:
-        raise ConfigError(f"lr_scheduler.decay_ratio: warm-up {s.warmup_steps} + decay {round(s.decay_ratio * steps)}"
-                          f" steps is longer than the run ({steps} steps); lower one of them")
-
-
 def _check_resume(cfg: JobConfig):
     """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
     the architecture the run will build (its vocabulary may still follow the tokenizer)."""
@@ -117,17 +109,48 @@ def _check_resume(cfg: JobConfig):
             raise ConfigError(str(e)) from None
     if resume is not None and resume[2].get("kind") == "full":
         step, path, _ = resume
-        saved = read_saved_config(path).get("training", {})
-        streamed = "tokenized" not in (cfg.training.dataset, saved.get("dataset"))  # prepared data has no streams
-        if streamed and "data_streams" in saved and saved["data_streams"] != cfg.training.data_streams:
-            raise ConfigError(f"training.data_streams: {cfg.training.data_streams}, but the checkpoint at {path} "
-                              f"dealt its data to {saved['data_streams']} streams; set --training.data_streams "
-                              f"{saved['data_streams']} to resume it, or pick another job.dump_folder")
+        if "dataloader" not in cfg.checkpoint.exclude_from_loading:
+            _check_resumed_data(cfg, path, read_saved_config(path).get("training", {}))
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
     return architecture.resolve(cfg, None, resume[1] if resume else None)
+
+
+# What a checkpoint's data position (a count of global samples) is a position in: other values of these settings
+# deal other documents, or the same ones in another order or other windows. (Prepared data also records its content,
+# checked as it loads; streamed data read from another path may be the same documents moved, and is only named.)
+DATA_ORDER = {"dataset": "samples of the dataset {}", "seed": "samples in the order of seed {}",
+              "seq_len": "windows of seq_len {}", "dataset_text_field": "documents of the text field {}",
+              "data_streams": "documents dealt to {} streams"}
+
+
+# Settings a dataset kind does not read: prepared data is not dealt to streams, the built-in corpus has no fields.
+_UNREAD = {"tokenized": ("data_streams", "dataset_text_field"), "stdlib": ("dataset_text_field",)}
+
+
+def data_differences(ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
+    """(key, ours, theirs) for each setting of DATA_ORDER that two runs' [training] tables set differently: their
+    sample i is not the same sample. Settings one of them lacks (an older config) are skipped, and so are those
+    its dataset does not read."""
+    unread = {*_UNREAD.get(ours.get("dataset"), ()), *_UNREAD.get(theirs.get("dataset"), ())}
+    return [(key, ours[key], theirs[key]) for key in DATA_ORDER
+            if key in ours and key in theirs and ours[key] != theirs[key] and key not in unread]
+
+
+def _check_resumed_data(cfg: JobConfig, path: str, saved: dict) -> None:
+    """The data position the run would restore counts samples of the data asked for."""
+    ours = dataclasses.asdict(cfg.training)
+    for key, new, old in data_differences(ours, saved):
+        raise ConfigError(f"training.{key}: {new!r}, but the checkpoint at {path} counted its data position in "
+                          f"{DATA_ORDER[key].format(repr(old))}; set --training.{key} {old} to resume it, add "
+                          f"dataloader to checkpoint.exclude_from_loading to start this data at its first sample, or "
+                          f"pick another job.dump_folder")
+    if ours["dataset"] != "tokenized" and saved.get("dataset_path", ours["dataset_path"]) != ours["dataset_path"]:
+        log.warning(f"training.dataset_path: {ours['dataset_path']!r}, but the checkpoint at {path} read "
+                    f"{saved['dataset_path']!r}; its data position is resumed as a position in the same documents "
+                    f"(add dataloader to checkpoint.exclude_from_loading to start this data at its first sample)")
 
 
 def _check_data(cfg: JobConfig) -> None:
