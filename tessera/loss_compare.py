@@ -92,7 +92,7 @@ def run_sides(a: argparse.Namespace) -> list[str]:
     if all(argv is not None for _, argv, _ in sides):  # a finished run is compared as it ran
         held = hold_like_with_like([(name, argv, nproc) for name, (_, argv, nproc) in zip("AB", sides, strict=True)])
         sides = [(dump, argv + more, nproc) for (dump, argv, nproc), more in zip(sides, held, strict=True)]
-    for name, (dump, argv, nproc) in zip("ab", sides, strict=True):
+    for name, (_, argv, nproc) in zip("ab", sides, strict=True):
         if argv is not None:
             run_side(name, argv, nproc)
     return [dump for dump, _, _ in sides]

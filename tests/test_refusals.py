@@ -91,6 +91,56 @@ def test_a_launch_that_does_not_match_the_dump_folder_is_refused_and_writes_noth
     assert pre.returncode == 2 and expect in pre.stderr  # the launch pre-check says the same, before any rank
 
 
+def test_data_settings_changed_on_resume_are_refused_unless_the_data_position_is_left(tmp_path, capsys):
+    """The data position a checkpoint restores counts samples of its data: another seed, seq_len or dataset is
+    refused before any rank starts, naming both values and the way out, which starts the new data at its first
+    sample (a longer context later in training)."""
+    from tessera.config import ConfigError, parse_args
+    from tessera.config.validate import validate
+
+    dump = tmp_path / "run"
+    run_train(["--job.dump_folder", str(dump), *CKPT], 4)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(f"document {k} of the other corpus" for k in range(50)))
+    ckpt, before = dump / "checkpoint/step-4", _snapshot(dump)
+    way_out = ("to resume it, add dataloader to checkpoint.exclude_from_loading to start this data at its first "
+               "sample, or pick another job.dump_folder")
+    cases = [(["--training.seed", "1"], f"training.seed: 1, but the checkpoint at {ckpt} counted its data position in "
+                                        f"samples in the order of seed 0; set --training.seed 0 {way_out}"),
+             (["--training.seq_len", "64"], f"training.seq_len: 64, but the checkpoint at {ckpt} counted its data "
+                                            f"position in windows of seq_len 32; set --training.seq_len 32 {way_out}"),
+             (["--training.dataset", "files", "--training.dataset_path", str(docs)],
+              f"training.dataset: 'files', but the checkpoint at {ckpt} counted its data position in samples of the "
+              f"dataset 'stdlib'; set --training.dataset stdlib {way_out}")]
+    for change, line in cases:
+        argv = merge(BASE, ["--training.steps", "6", "--job.dump_folder", str(dump), *CKPT], change)
+        with pytest.raises(ConfigError) as err:
+            validate(parse_args(argv), 1)
+        assert str(err.value) == line
+        validate(parse_args([*argv, "--checkpoint.exclude_from_loading", "dataloader"]), 1)
+    assert _main("--job.dump_folder", str(dump), *CKPT, "--training.steps", "6", "--training.seed", "1") == 2
+    assert capsys.readouterr().err == f"tessera: {cases[0][1]}\n"
+    assert _snapshot(dump) == before
+    longer = run_train(["--job.dump_folder", str(dump), *CKPT, "--training.seq_len", "64",
+                        "--checkpoint.exclude_from_loading", "dataloader"], 6)
+    assert longer["start"] == 4 and [sorted(longer["samples"][s]) for s in (5, 6)] == global_batch_ids(
+        merge(BASE, ["--training.seq_len", "64"]), 8, 2)  # the new windows from the first
+
+
+def test_a_streamed_dataset_read_from_another_path_resumes_with_a_warning(caplog):
+    """The same documents may have moved (a copy on a faster disk): named in one line, not refused."""
+    from tessera.config import parse_args
+    from tessera.config.validate import _check_resumed_data
+
+    cfg = parse_args(["--training.dataset", "files", "--training.dataset_path", "/fast/docs"])
+    saved = {"dataset": "files", "dataset_path": "/slow/docs", "seed": 0, "seq_len": 2048, "data_streams": 64}
+    _check_resumed_data(cfg, "ckpt/step-4", saved)
+    assert [r.getMessage() for r in caplog.records] == [
+        "training.dataset_path: '/fast/docs', but the checkpoint at ckpt/step-4 read '/slow/docs'; its data position "
+        "is resumed as a position in the same documents (add dataloader to checkpoint.exclude_from_loading to start "
+        "this data at its first sample)"]
+
+
 def _remark(step: Path) -> None:
     """The completion marker of a checkpoint whose files a test edited, as if they had been written so."""
     from tessera.checkpoint.folder import write_marker

@@ -104,16 +104,35 @@ def test_report_overlays_runs_and_loss_compare_passes_equal_runs_and_fails_diffe
     assert (tmp_path / "diff" / "compare.png").stat().st_size > 10_000
 
 
+LAYOUT_FLAGS = ["--model.flavor=tiny", "--training.seq_len=32", "--training.local_batch_size=2",
+                "--training.deterministic", "--lr_scheduler.warmup_steps=1", "--validation.enable=false",
+                "--metrics.enable_tensorboard=false"]
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_loss_compare_runs_two_layouts_of_one_config(tmp_path, capsys):
-    """One process (accumulating 2 micro-batches) against FSDP over 2, from a shipped config: equal within 1e-5."""
-    flags = " ".join(["--model.flavor=tiny", "--training.seq_len=32", "--training.local_batch_size=2",
-                      "--training.global_batch_size=4", "--training.deterministic", "--lr_scheduler.warmup_steps=1",
-                      "--validation.enable=false",
-                      "--metrics.enable_tensorboard=false"])
+    """One process against FSDP over 2, from a shipped config whose global batch follows the layout: both train
+    B's (A accumulating 2 micro-batches), equal within 1e-5."""
     config = str(ROOT / "configs" / "llama3_debug.toml")
-    code = loss_compare.main([config, config, "--steps", "4", f"--overrides={flags}", "--nproc_b", "2",
-                              "--tolerance", "1e-5", "--out", str(tmp_path)])
+    code = loss_compare.main([config, config, "--steps", "4", f"--overrides={' '.join(LAYOUT_FLAGS)}", "--nproc_b",
+                              "2", "--tolerance", "1e-5", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "loss_compare: A would train a global batch of 2 sequences a step and B one of 4; both train 4 " \
+           "(--training.global_batch_size 4; a layout below it accumulates) to compare like with like" in out
     assert "PASS" in out and len(read_metrics(tmp_path / "a")) == len(read_metrics(tmp_path / "b")) == 4
+
+
+def test_loss_compare_refuses_two_different_global_batches_before_running(tmp_path, capsys):
+    config = str(ROOT / "configs" / "llama3_debug.toml")
+    code = loss_compare.main([config, config, f"--overrides={' '.join(LAYOUT_FLAGS)}",
+                              "--a=--training.global_batch_size=2", "--b=--training.global_batch_size=4", "--nproc_b",
+                              "2", "--out", str(tmp_path)])
+    assert code == 2 and capsys.readouterr().err.splitlines() == [
+        "tessera.loss_compare: A trains a global batch of 2 sequences a step and B one of 4, so a step of one is not "
+        "a step of the other; give both one --training.global_batch_size (in --overrides), a multiple of 2 (A's "
+        "local batch x data-parallel degree) and of 4 (B's)"]
+    code = loss_compare.main([config, config, f"--overrides={' '.join(LAYOUT_FLAGS)}",
+                              "--a=--training.global_batch_size=6", "--nproc_b", "2", "--out", str(tmp_path)])
+    assert code == 2 and "A trains a global batch of 6 sequences a step and B one of 4" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "a")  # nothing ran
