@@ -133,21 +133,32 @@ _UNREAD = {"tokenized": ("data_streams", "dataset_text_field"), "stdlib": ("data
 def data_differences(ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
     """(key, ours, theirs) for each setting of DATA_ORDER that two runs' [training] tables set differently: their
     sample i is not the same sample. Settings one of them lacks (an older config) are skipped, and so are those
-    its dataset does not read."""
-    unread = {*_UNREAD.get(ours.get("dataset"), ()), *_UNREAD.get(theirs.get("dataset"), ())}
+    its dataset does not read ('files' on a prepared folder reads it as 'tokenized')."""
+    from tessera.data import tokens
+
+    def kind(table: dict) -> str | None:
+        prepared = table.get("dataset") == "files" and tokens.is_prepared(table.get("dataset_path", ""))
+        return "tokenized" if prepared else table.get("dataset")
+
+    kinds = {kind(ours), kind(theirs)}
+    if kinds == {"tokenized"}:  # the same prepared data, whichever way it is named: its fingerprint decides
+        ours, theirs = {**ours, "dataset": "tokenized"}, {**theirs, "dataset": "tokenized"}
+    unread = {key for k in kinds for key in _UNREAD.get(k, ())}
     return [(key, ours[key], theirs[key]) for key in DATA_ORDER
             if key in ours and key in theirs and ours[key] != theirs[key] and key not in unread]
 
 
 def _check_resumed_data(cfg: JobConfig, path: str, saved: dict) -> None:
     """The data position the run would restore counts samples of the data asked for."""
+    from tessera.data import tokens
+
     ours = dataclasses.asdict(cfg.training)
     for key, new, old in data_differences(ours, saved):
         raise ConfigError(f"training.{key}: {new!r}, but the checkpoint at {path} counted its data position in "
                           f"{DATA_ORDER[key].format(repr(old))}; set --training.{key} {old} to resume it, add "
                           f"dataloader to checkpoint.exclude_from_loading to start this data at its first sample, or "
                           f"pick another job.dump_folder")
-    if ours["dataset"] != "tokenized" and saved.get("dataset_path", ours["dataset_path"]) != ours["dataset_path"]:
+    if not tokens.wanted(cfg.training) and saved.get("dataset_path", ours["dataset_path"]) != ours["dataset_path"]:
         log.warning(f"training.dataset_path: {ours['dataset_path']!r}, but the checkpoint at {path} read "
                     f"{saved['dataset_path']!r}; its data position is resumed as a position in the same documents "
                     f"(add dataloader to checkpoint.exclude_from_loading to start this data at its first sample)")
