@@ -5,8 +5,8 @@ A and B are each a TOML config, run here for --steps steps on the same seed and 
 is. Prints the per-step loss of both and their relative difference |A - B| / |A|, writes compare.png and
 compare.json in --out, and exits 0 when every step is within --tolerance, 1 when one is not, 2 on bad input:
 the check to run before trusting a new layout or feature on a cluster (fp32 layouts agree to ~1e-5; bf16 to
-~1e-2). Both sides train the same global batch: one that follows the layout (global_batch_size = -1) is raised
-to what the other trains, accumulating.
+~1e-2). Both sides train the same global batch, so that a step takes the same samples on both: a side whose
+batch follows its layout (global_batch_size = -1) accumulates up to one both layouts reach, said in one line.
 """
 
 import argparse
