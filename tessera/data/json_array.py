@@ -17,7 +17,7 @@ _CHUNK = 1 << 20
 _WHITESPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
 _STRUCTURE = re.compile(rb'[\[\]{}",]')  # outside strings: what may end an element
-_IN_STRING = re.compile(rb'["\\]')  # inside a string: its end, or an escape
+_STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)  # inside a string: the rest of it, to its end
 
 
 def is_array(f: BinaryIO) -> bool:
@@ -46,24 +46,22 @@ def elements(f: BinaryIO) -> Iterator[tuple[str, bytes | None, int, str | None]]
     line, counted = 1 + buf.count(b"\n", 0, i), i  # the line of byte `counted`
     start, depth, in_string, k = i, 0, False, 0  # start: where the current element begins
     while True:
-        m = (_IN_STRING if in_string else _STRUCTURE).search(buf, i)
-        if m is None or (in_string and buf[m.start()] == 0x5C and m.end() == len(buf)):  # need more bytes
-            more = f.read(_CHUNK)
+        m = _STRING_REST.match(buf, i) if in_string else _STRUCTURE.search(buf, i)
+        if m is None:  # the string, or the element, goes on past the bytes read
+            more = f.read(max(_CHUNK, len(buf)))  # doubling: a long string is scanned again O(1) times per byte
             if not more:
                 break
             line += buf.count(b"\n", counted, start)
-            i = (m.start() if m else len(buf)) - start
+            i = (i if in_string else len(buf)) - start
             del buf[:start]
             base, counted, start = base + start, 0, 0
             buf += more
             continue
-        c, i = buf[m.start()], m.end()
         if in_string:
-            if c == 0x5C:  # a backslash escapes the next byte
-                i += 1
-            else:
-                in_string = False
-        elif c == 0x22:  # "
+            i, in_string = m.end(), False
+            continue
+        c, i = buf[m.start()], m.end()
+        if c == 0x22:  # "
             in_string = True
         elif c in b"[{":
             depth += 1
