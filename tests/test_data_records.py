@@ -112,6 +112,16 @@ def test_data_whose_sampled_bad_records_would_pass_the_limit_is_refused_before_l
     # Validation replays 1 record in 100: its windows need 100 records for each held-out document.
     with pytest.raises(DataError, match=r"about 200 of the ~300 records"):
         check_files(data, "text", True, 100, RunReads(8, 1, 33, 64))
+    # Within the sample the bad records are counted where they are; beyond it, the file is taken at its rate.
+    one_bad = tmp_path / "one_bad" / "d.jsonl"
+    one_bad.parent.mkdir()
+    one_bad.write_text("".join((json.dumps({"text": f"document {k:04} " * 5}) if k != 900 else "{") + "\n"
+                               for k in range(3000)))
+    check_files(str(one_bad), "text", False, 0, short_run)
+    with pytest.raises(DataError, match=r"1 of the first 1000 records of .*d.jsonl are bad; at that rate about 4 of "
+                                        r"the ~30\d\d records this run reads would be, more than 2; the first: "
+                                        r".*d.jsonl:901: not valid JSON"):
+        check_files(str(one_bad), "text", False, 2, long_run)
     # Over files: the run reads the first file, then the next; only what it reads counts.
     clean = _garbage(tmp_path / "a_clean.jsonl", 1)
     check_files(str(tmp_path), "text", False, 100, short_run)

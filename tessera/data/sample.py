@@ -8,8 +8,9 @@ windows, and the documents of the other streams up to them, a chunk of 64 at a t
 UTF-8 bytes + 2 tokens (no tokenizer makes more than one token per byte, the byte tokenizer exactly one); the sample
 gives each file's bytes per document and its share of records that are documents. Validation (when on) replays
 validation.steps x local batch x DP windows of the held-out split, 1 record in 100. Records are read file after file
-in order; a record is counted once however often epochs repeat it. The expected bad records are each file's sampled
-rate times the records of it the run reads; the run is refused when they pass the limit."""
+in order; a record is counted once however often epochs repeat it. The expected bad records of a file are those
+the sample found among the records of it the run reads, and beyond the sample, its rate times the records of it the
+run reads; the run is refused when they pass the limit."""
 
 import itertools
 import math
@@ -41,25 +42,35 @@ class FileSample:
     document_bytes: int  # their UTF-8 bytes
     bad: BadRecords  # the bad ones among them
     total: int  # the file's records: counted when the sample read them all (or parquet's metadata), else estimated
+    bad_so_far: list[int]  # bad ones among the first 1, 2, ... records read
+
+    def bad_in_first(self, n: float) -> float:
+        """The bad records among the first `n` of the file: counted within the sample, at its rate beyond."""
+        n = round(n)
+        if not self.records or n <= 0:
+            return 0.0
+        counted = self.bad_so_far[min(n, self.records) - 1]
+        return counted + self.bad.count / self.records * max(0, n - self.records)
 
 
 def sample_file(file: Path, text_field: str, n: int = SAMPLE_RECORDS) -> FileSample:
     """The first `n` records of `file`."""
-    bad = BadRecords(-1, quiet=True)
-    if file.suffix in (".jsonl", ".json"):
-        read = list(itertools.islice(json_texts(file, text_field, bad), n))
-        texts = [text for text, _ in read]
-        size, offset = file.stat().st_size, (read[-1][1] if read else 0)
-        total = len(read) if len(read) < n or not offset else max(len(read), round(len(read) * size / offset))
-    else:
-        texts = list(itertools.islice(file_texts(file, text_field, bad), n))
-        total = len(texts)
-        if file.suffix == ".parquet":
-            import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
+    bad, texts, bad_so_far, offset = BadRecords(-1, quiet=True), [], [], 0
+    is_json = file.suffix in (".jsonl", ".json")
+    read = json_texts(file, text_field, bad) if is_json else ((text, 0) for text in file_texts(file, text_field, bad))
+    for text, end in itertools.islice(read, n):
+        texts.append(text)
+        bad_so_far.append(bad.count)
+        offset = end  # where the sample ends in the file
+    total = len(texts)
+    if is_json and len(texts) == n and offset:
+        total = max(len(texts), round(len(texts) * file.stat().st_size / offset))
+    elif file.suffix == ".parquet":
+        import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
 
-            total = pq.ParquetFile(file).metadata.num_rows
+        total = pq.ParquetFile(file).metadata.num_rows
     docs = [text for text in texts if text is not None]
-    return FileSample(file, len(texts), len(docs), sum(len(d.encode("utf-8")) for d in docs), bad, total)
+    return FileSample(file, len(texts), len(docs), sum(len(d.encode("utf-8")) for d in docs), bad, total, bad_so_far)
 
 
 def documents_read(samples: int, window: int, streams: int, document_tokens: float) -> int:
@@ -101,13 +112,13 @@ def check_bad_rate(files: list[Path], text_field: str, limit: int, reads: RunRea
     expected = {}
     for s in sampled:
         take, left = min(s.total, left), left - min(s.total, left)
-        expected[s.file] = s.bad.count / s.records * take if s.records else 0.0
+        expected[s.file] = s.bad_in_first(take)
     if sum(expected.values()) <= limit:
         return
     worst = max(sampled, key=lambda s: expected[s.file])
     examples = [e for s in sampled for e in s.bad.examples][:3]
     raise DataError(f"training.max_bad_records: {worst.bad.count} of the first {worst.records} records of "
-                    f"{worst.file} are bad; at that rate about {sum(expected.values()):.0f} of the ~{read:.0f} "
+                    f"{worst.file} are bad; at that rate about {math.ceil(sum(expected.values()))} of the ~{read:.0f} "
                     f"records this run reads would be, more than {limit}; the first: {'; '.join(examples)}; "
                     f"{how_to_fix(worst.bad.reasons[0], text_field)}, or raise training.max_bad_records (-1: no "
                     f"limit)")
