@@ -12,6 +12,7 @@ in order; a record is counted once however often epochs repeat it. The expected 
 the sample found among the records of it the run reads, and beyond the sample, its rate times the records of it the
 run reads; the run is refused when they pass the limit."""
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -54,7 +55,13 @@ class FileSample:
 
 
 def sample_file(file: Path, text_field: str, n: int = SAMPLE_RECORDS) -> FileSample:
-    """The first `n` records of `file`."""
+    """The first `n` records of `file`; read once per version of the file (tessera.plan validates many layouts)."""
+    stat = file.stat()
+    return _sample(file, text_field, n, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=SAMPLE_FILES)
+def _sample(file: Path, text_field: str, n: int, size: int, mtime_ns: int) -> FileSample:
     bad, texts, bad_so_far, offset = BadRecords(-1, quiet=True), [], [], 0
     is_json = file.suffix in (".jsonl", ".json")
     read = json_texts(file, text_field, bad) if is_json else ((text, 0) for text in file_texts(file, text_field, bad))
@@ -64,7 +71,7 @@ def sample_file(file: Path, text_field: str, n: int = SAMPLE_RECORDS) -> FileSam
         offset = end  # where the sample ends in the file
     total = len(texts)
     if is_json and len(texts) == n and offset:
-        total = max(len(texts), round(len(texts) * file.stat().st_size / offset))
+        total = max(len(texts), round(len(texts) * size / offset))
     elif file.suffix == ".parquet":
         import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
 
