@@ -398,8 +398,11 @@ def test_empty_or_too_small_data_is_refused_before_training(tmp_path):
                                             rf"is empty$"):
             check_files(str(tmp_path / name), "text", validation=False)
     (tmp_path / "junk.jsonl").write_text("not json\n")
-    with pytest.raises(DataError, match=r"every document is empty; 1 bad record\(s\), the first .*junk.jsonl:1: "
-                                        r"not valid JSON"):
+    with pytest.raises(DataError, match=r"training.dataset_path: no document in .*junk.jsonl: its records are all bad "
+                                        r"or empty \(1 bad; the first: .*junk.jsonl:1: not valid JSON \(Expecting "
+                                        r"value at column 1\)\); write one JSON object per line \(.jsonl\), or one "
+                                        r"JSON array of objects \(.json\), each with its text in the string field "
+                                        r"'text'$"):
         check_files(str(tmp_path / "junk.jsonl"), "text", validation=False)
     (tmp_path / "small.txt").write_text("one document")
     check_files(str(tmp_path / "small.txt"), "text", validation=False)

@@ -254,7 +254,10 @@ def _data_files(tmp: Path) -> dict[str, str]:
     (tmp / "small.txt").write_text("one short document")
     (tmp / "tok").mkdir()
     (tmp / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # a download cut short
-    return {"empty": str(tmp / "empty.txt"), "small": str(tmp / "small.txt"), "tok": str(tmp / "tok")}
+    (tmp / "garbage.jsonl").write_text("".join(f'{{"text": "document {k}"}}\n' if k % 4 == 0 else "<html>\n"
+                                               for k in range(200)))  # mostly bad: read at the launch, not mid-run
+    return {"empty": str(tmp / "empty.txt"), "small": str(tmp / "small.txt"), "tok": str(tmp / "tok"),
+            "garbage": str(tmp / "garbage.jsonl")}
 
 
 BAD_DATA = [
@@ -266,6 +269,12 @@ BAD_DATA = [
     (["--training.dataset", "files", "--training.dataset_path", "{small}", "--validation.enable"], {},
      "validation.enable: the validation split of {small} is empty"),
     (["--model.hf_assets_path", "{tok}"], {}, "model.hf_assets_path: {tok}/tokenizer.json is not valid JSON"),
+    (["--training.dataset", "files", "--training.dataset_path", "{garbage}", "--training.max_bad_records", "20"], {},
+     "tessera: training.max_bad_records: 150 of the first 200 records of {garbage} are bad; at that rate about 150 "
+     "of the ~200 records this run reads would be, more than 20; the first: {garbage}:2: not valid JSON (Expecting "
+     "value at column 1); {garbage}:3: not valid JSON (Expecting value at column 1); {garbage}:4: not valid JSON "
+     "(Expecting value at column 1); write one JSON object per line (.jsonl), or one JSON array of objects (.json), "
+     "each with its text in the string field 'text', or raise training.max_bad_records (-1: no limit)"),
     (["--training.dataset", "org/corpus"], {"HF_HUB_OFFLINE": "1"},
      "training.dataset: 'org/corpus' streams 'org/corpus' from the Hugging Face Hub, but the machine is offline"),
     (["--training.dataset", "c4"], {"HF_ENDPOINT": "http://127.0.0.1:9"},
@@ -290,15 +299,17 @@ def test_bad_data_is_refused_in_one_line(argv, env, expect, tmp_path):
 
 
 def test_bad_records_mid_run_are_skipped_and_counted_or_stop_the_run(tmp_path, capsys):
-    docs = [json.dumps({"text": f"document number {k} " * 4}) for k in range(40)]
-    docs[25], docs[30] = '{"text": 3}', '{"text": "unfinished'
+    # Past the first 1,000 records, which the launch samples: one stream of 4 x 8 windows of 257 tokens reads them.
+    docs = [json.dumps({"text": f"d{k}"}) for k in range(1100)]
+    docs[1025], docs[1030] = '{"text": 3}', '{"text": "unfinished'
     (tmp_path / "d.jsonl").write_text("\n".join(docs) + "\n")
-    data = ["--training.dataset", "files", "--training.dataset_path", str(tmp_path / "d.jsonl")]
+    data = ["--training.dataset", "files", "--training.dataset_path", str(tmp_path / "d.jsonl"),
+            "--training.data_streams", "1", "--training.seq_len", "256"]
     assert _main("--job.dump_folder", str(tmp_path / "ok"), *data) == 0
     assert "2 bad data record(s) skipped (training.max_bad_records = 100); the first, " \
-           f"{tmp_path / 'd.jsonl'}:26: 'text' is a number, not a string" in capsys.readouterr().out
+           f"{tmp_path / 'd.jsonl'}:1026: 'text' is a number, not a string" in capsys.readouterr().out
     assert _main("--job.dump_folder", str(tmp_path / "strict"), *data, "--training.max_bad_records", "1") == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"tessera: training.max_bad_records: 2 bad data records, more than 1; the latest, {tmp_path / 'd.jsonl'} "
-        f"line 31: not valid JSON (Invalid control character at column 21); fix the data, or raise "
+        f"line 1031: not valid JSON (Invalid control character at column 21); fix the data, or raise "
         f"training.max_bad_records (-1: no limit)"]

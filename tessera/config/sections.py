@@ -79,19 +79,23 @@ class Training:
                                  min=0.0)
     dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), tokenized (a folder "
                        "made by python -m tessera.data.prepare, memory-mapped), c4, or a hub id ORG/NAME")
-    dataset_path: str = opt("", "local file, folder or glob of .txt/.jsonl/.parquet; a local copy of a hub dataset; "
-                            "or a prepared folder (with files, it is detected and read as tokenized); with "
-                            "dataset_mix, the folder its names are in")
+    dataset_path: str = opt("", "local file, folder (searched recursively) or glob of: .txt (a file is one document), "
+                            ".jsonl (one JSON object per line), .json (one JSON array of objects, or JSON Lines), "
+                            ".parquet (a string column); each object's text is in dataset_text_field; a local copy "
+                            "of a hub dataset; or a prepared folder (with files, it is detected and read as "
+                            "tokenized); with dataset_mix, the folder its names are in")
     dataset_mix: str = opt("", "tokenized: prepared datasets and their weights, NAME:WEIGHT,... or a TOML table "
                            "{NAME = WEIGHT}; a NAME is a folder under dataset_path (or a path); each dataset gives "
                            "its share of every block of 4096 samples", table=True)
-    dataset_text_field: str = opt("text", "field holding the document text in jsonl/parquet/hub rows")
+    dataset_text_field: str = opt("text", "field holding the document text in json/jsonl/parquet/hub rows")
     data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
                             "documents, 1/gcd(data_streams, DP degree) of them; part of the data order: keep it "
                             "fixed for a run", min=1)
     max_bad_records: int = opt(100, "data records that may be skipped (malformed JSON, a text that is not a string, "
                                "bytes that are not UTF-8), each counted and logged with its file and line; one more "
-                               "stops the run; -1 = no limit", min=-1)
+                               "stops the run; files: the launch samples each file's first 1000 records and refuses "
+                               "data whose rate of bad ones would pass it over the records the run reads; -1 = no "
+                               "limit", min=-1)
     seed: int = opt(0, "seed for initialization and data order", min=0, max=2**32 - 1)
     deterministic: bool = opt(False, "use deterministic kernels (bit-exact reruns, slower)")
     mixed_precision_param: str = opt("auto", "dtype of params in compute; auto = bfloat16 on accelerators, float32 "

@@ -52,6 +52,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
     _check_layout(cfg, args, dims)
+    _check_data_files(cfg, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
@@ -177,8 +178,6 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
     elif tokens.wanted(t):
         tokens.check(cfg)
-    elif t.dataset == "files":
-        sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable)
     if cfg.model.hf_assets_path:
         path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
         try:
@@ -186,6 +185,23 @@ def _check_data(cfg: JobConfig) -> None:
                 json.load(fh)
         except ValueError as e:  # a download cut short, or not JSON at all
             raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
+
+
+def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Raw files (training.dataset = files, not prepared): a document to train on (and one held out, with
+    validation), and a sample of their records whose rate of bad ones would not pass training.max_bad_records over
+    the records this run reads (tessera/data/sample.py says how that is estimated)."""
+    from tessera.data import sources, tokens
+    from tessera.data.sample import RunReads
+
+    t = cfg.training
+    if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).check_config is not None:
+        return
+    per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
+                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp
+                     if cfg.validation.enable else 0)
+    sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable, t.max_bad_records, reads)
 
 
 def _check_family_config(cfg: JobConfig) -> None:

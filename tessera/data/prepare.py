@@ -4,16 +4,17 @@
     python -m tessera.data.prepare --input allenai/c4 --hub_config en --output prepared/c4 --tokenizer ...
     python -m tessera.data.prepare ... --slurm_partition cpu --tasks 2000     # on a SLURM cluster
 
-The input is split into pieces (a .txt file; a .jsonl file cut into byte ranges of about --piece_mb at line starts;
-a .parquet file's row groups in groups of about that size; for a Hub dataset, its stream shards), the pieces are
-dealt to --tasks tasks (largest first, each to the task with the fewest bytes so far), and each task tokenizes its
-pieces in order into its own shards. datatrove's executors run the tasks: LocalPipelineExecutor on the cores of
-this machine (--workers at a time), SlurmPipelineExecutor as a SLURM job array. A task that finished is recorded
-and never run again, so an interrupted prepare resumes when the same command runs again; the output depends only
-on the input, the tokenizer and --tasks / --piece_mb / --validation_every / --shard_tokens (never on --workers or
-the machine). The manifest is written last, from the tasks' summaries: until it exists the folder is not a
-prepared dataset. A document goes to the validation split when the CRC-32 of its text is 0 modulo
---validation_every (whatever file or task it is in; duplicates land on the same side).
+The input is split into pieces (a .txt file or a .json array, whole; a .jsonl file (or a .json of JSON Lines) cut
+into byte ranges of about --piece_mb at line starts; a .parquet file's row groups in groups of about that size; for
+a Hub dataset, its stream shards), the pieces are dealt to --tasks tasks (largest first, each to the task with the
+fewest bytes so far), and each task tokenizes its pieces in order into its own shards. datatrove's executors run the
+tasks: LocalPipelineExecutor on the cores of this machine (--workers at a time), SlurmPipelineExecutor as a SLURM
+job array. A task that finished is recorded and never run again, so an interrupted prepare resumes when the same
+command runs again; the output depends only on the input, the tokenizer and --tasks / --piece_mb /
+--validation_every / --shard_tokens (never on --workers or the machine). The manifest is written last, from the
+tasks' summaries: until it exists the folder is not a prepared dataset. A document goes to the validation split when
+the CRC-32 of its text is 0 modulo --validation_every (whatever file or task it is in; duplicates land on the same
+side).
 """
 
 import argparse
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.config import ConfigError
-from tessera.data.records import BadRecords, DataError, file_texts
+from tessera.data.records import BadRecords, DataError, file_texts, is_json_array
 from tessera.data.sources import FILE_SUFFIXES, HUB_ALIASES, _hub_texts, _resolve_files, check_hub
 from tessera.data.tokenizer import build_tokenizer, encode_documents
 from tessera.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, WORK, token_dtype, tokenizer_fingerprint
@@ -191,7 +192,8 @@ def plan_files(inputs: list[str], piece_bytes: int) -> tuple[list[dict], list[di
         if f.suffix == ".parquet":
             pieces += _parquet_pieces(f, piece_bytes)
             continue
-        n = max(1, s["bytes"] // piece_bytes) if f.suffix != ".txt" else 1
+        whole = f.suffix == ".txt" or is_json_array(f)  # an array's elements cannot be found from a byte offset
+        n = 1 if whole else max(1, s["bytes"] // piece_bytes)
         bounds = [s["bytes"] * k // n for k in range(n + 1)]
         pieces += [{"kind": "file", "path": str(f), "start": a, "end": b if n > 1 else None, "size": b - a}
                    for a, b in zip(bounds, bounds[1:], strict=False)]

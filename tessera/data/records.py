@@ -1,5 +1,8 @@
 """Reading local data files record by record. A bad record (not UTF-8, not valid JSON, not an object, a text
-that is not a string) is skipped and counted with its file and line, never replaced or guessed at."""
+that is not a string) is skipped and counted with its file and line, never replaced or guessed at.
+
+The forms read: .txt (the file is one document), .jsonl (one JSON object per line), .json (one JSON array of
+objects, when its first byte after whitespace is '[', else JSON Lines as .jsonl), .parquet (a string column)."""
 
 import json
 import logging
@@ -7,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tessera.config.manager import ConfigError
+from tessera.data import json_array
 
 log = logging.getLogger(__name__)
 _JSON_TYPES = {str: "a string", list: "an array", dict: "an object", bool: "a boolean", int: "a number",
                float: "a number", type(None): "null"}
+_EXAMPLES = 3  # bad records named by a message
 
 
 class DataError(ConfigError):
@@ -23,7 +28,8 @@ class BadRecords:
 
     def __init__(self, limit: int, quiet: bool = False, option: str = "training.max_bad_records"):
         self.limit, self.quiet, self.option = limit, quiet, option
-        self.first: str | None = None  # "file:line: reason" of the first one
+        self.examples: list[str] = []  # "file:line: reason" of the first few
+        self.reasons: list[str] = []  # and their reasons
         self._seen: set[str] = set()
         self._files: set[str] = set()
 
@@ -31,13 +37,20 @@ class BadRecords:
     def count(self) -> int:
         return len(self._seen)
 
+    @property
+    def first(self) -> str | None:
+        return self.examples[0] if self.examples else None
+
     def skip(self, file: Path, where: str, reason: str) -> None:
-        """`where`: 'line N' or 'row N' of `file`. Returns None, the text of a skipped record."""
-        key = f"{file}:{where.split()[-1]}"
+        """`where`: 'line N', 'line N (element K)', 'row N' or 'byte N' of `file`. Returns None, the text of a
+        skipped record."""
+        key = f"{file}:{where.removeprefix('line ')}"
         if key in self._seen:
             return
         self._seen.add(key)
-        self.first = self.first or f"{key}: {reason}"
+        if len(self.examples) < _EXAMPLES:
+            self.examples.append(f"{key}: {reason}")
+            self.reasons.append(reason)
         if self.limit != -1 and self.count > self.limit:
             raise DataError(f"{self.option}: {self.count} bad data records, more than {self.limit}; the "
                             f"latest, {file} {where}: {reason}; fix the data, or raise {self.option} "
@@ -56,13 +69,26 @@ def file_texts(file: Path, text_field: str, bad: BadRecords, start: int = 0,
                end: int | None = None) -> Iterator[str | None]:
     """Each record's text in order; None for a record skipped (bad or empty), so positions stay fixed. A piece of
     the file only, when `start`/`end` are given: the lines that begin in bytes [start, end) of a .jsonl (a record
-    is then named by its byte offset, unless the piece starts the file), the row groups [start, end) of a .parquet."""
+    is then named by its byte offset, unless the piece starts the file), the row groups [start, end) of a .parquet.
+    A .json array is read whole (it has no pieces)."""
     if file.suffix == ".txt":
         yield _txt(file, bad)
     elif file.suffix == ".parquet":
         yield from _parquet_texts(file, text_field, bad, range(start, end) if end is not None else None)
-    else:  # .jsonl / .json: one JSON object per line
-        yield from _json_texts(file, text_field, bad, start, end)
+    else:
+        yield from (text for text, _ in json_texts(file, text_field, bad, start, end))
+
+
+def json_texts(file: Path, text_field: str, bad: BadRecords, start: int = 0,
+               end: int | None = None) -> Iterator[tuple[str | None, int]]:
+    """(text or None, file offset after the record) of each record of a .jsonl / .json; see file_texts."""
+    with open(file, "rb") as f:
+        for where, raw, offset, problem in json_records(f, file, start, end):
+            if problem is not None:
+                yield bad.skip(file, where, problem), offset
+            else:  # the first record: a missing text field is the setting's fault, most likely, not the record's
+                first = where == "line 1" or where.endswith("(element 1)")
+                yield _json_text(raw, file, where, text_field, bad, first), offset
 
 
 def _txt(file: Path, bad: BadRecords) -> str | None:
@@ -75,26 +101,32 @@ def _txt(file: Path, bad: BadRecords) -> str | None:
     return text if text.strip() else None
 
 
-def _json_texts(file: Path, text_field: str, bad: BadRecords, start: int = 0,
-                end: int | None = None) -> Iterator[str | None]:
+def is_json_array(file: Path) -> bool:
+    """A .json file that holds one JSON array (a record per element), not JSON Lines."""
+    if file.suffix != ".json":
+        return False
     with open(file, "rb") as f:
-        if end is None:
-            for n, raw in enumerate(f, 1):
-                if raw.strip():
-                    yield _json_text(raw, file, f"line {n}", text_field, bad)
-            return
-        if start:
-            f.seek(start - 1)
-            f.readline()  # the line holding byte start - 1 belongs to the piece before
-        n, pos = 0, f.tell()
-        while pos < end and (raw := f.readline()):
-            n += 1
-            if raw.strip():
-                yield _json_text(raw, file, f"byte {pos}" if start else f"line {n}", text_field, bad)
-            pos += len(raw)
+        return json_array.is_array(f)
 
 
-def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadRecords) -> str | None:
+def json_records(f, file: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[str, bytes | None, int,
+                                                                                     str | None]]:
+    """(where, raw bytes, file offset after it, problem) of each record of an open .jsonl / .json; see file_texts."""
+    if file.suffix == ".json" and json_array.is_array(f):
+        yield from json_array.elements(f)
+        return
+    if start:
+        f.seek(start - 1)
+        f.readline()  # the line holding byte start - 1 belongs to the piece before
+    n, pos = 0, f.tell()
+    while (end is None or pos < end) and (raw := f.readline()):
+        n += 1
+        pos += len(raw)
+        if raw.strip():
+            yield f"byte {pos - len(raw)}" if start else f"line {n}", raw, pos, None
+
+
+def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadRecords, first: bool) -> str | None:
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -104,7 +136,7 @@ def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadReco
     if not isinstance(row, dict):
         return bad.skip(file, where, f"{_type(row)} (JSON), not an object with a {text_field!r} field")
     if text_field not in row:
-        if where == "line 1":  # the whole file lacks it, most likely: the setting is wrong, not the record
+        if first:
             raise missing_field(file, text_field, list(row))
         return bad.skip(file, where, f"no field {text_field!r}")
     return _text(row[text_field], file, where, text_field, bad)
@@ -137,3 +169,16 @@ def _parquet_texts(file: Path, text_field: str, bad: BadRecords,
 
 def missing_field(file: Path | str, text_field: str, present: list[str]) -> DataError:
     return DataError(f"{file}: no field {text_field!r} (training.dataset_text_field); fields present: {present}")
+
+
+def how_to_fix(reason: str, text_field: str) -> str:
+    """What to do about records skipped for `reason` (a reason BadRecords names)."""
+    if reason.startswith("bytes that are not UTF-8"):
+        return "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    if "not an object" in reason:
+        return f"make each record a JSON object with its text in the string field {text_field!r}"
+    if "not a string" in reason or reason.startswith("no field"):
+        return (f"set training.dataset_text_field to the field that holds each document's text (now "
+                f"{text_field!r}), or fix those records")
+    return ("write one JSON object per line (.jsonl), or one JSON array of objects (.json), each with its text in "
+            f"the string field {text_field!r}")

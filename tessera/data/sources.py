@@ -11,7 +11,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from tessera.data.records import BadRecords, DataError, file_texts, missing_field
+from tessera.data.records import BadRecords, DataError, file_texts, how_to_fix, missing_field
+from tessera.data.sample import RunReads, check_bad_rate
 
 SPLITS = ("train", "validation")
 LOCAL = ("stdlib", "files", "tokenized")  # the datasets that need no Hub (tokenized: tessera/data/prepared.py)
@@ -87,7 +88,7 @@ def _read_nonempty(files: list[Path]) -> Iterator[str]:
             yield text
 
 
-# --- files: local .txt / .jsonl / .json / .parquet ----------------------------------------------------------
+# --- files: local .txt / .jsonl / .json (lines or an array) / .parquet ------------------------------------------------
 
 def _resolve_files(path: str, key: str = "training.dataset_path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob -> the supported data files, sorted."""
@@ -115,15 +116,22 @@ def _file_documents(files: list[Path], text_field: str, split: str, bad: BadReco
             k += 1
 
 
-def check_files(path: str, text_field: str, validation: bool) -> None:
+def check_files(path: str, text_field: str, validation: bool, max_bad_records: int = -1,
+                reads: RunReads | None = None) -> None:
     """Before training: the files at `path` hold a document for training and, with `validation`, one held out
-    (1 record in 100 is). Reads up to the first of each, so it is quick for any size of data."""
+    (1 record in 100 is); with `reads`, their sampled rate of bad records would not pass `max_bad_records` over the
+    records the run reads (tessera/data/sample.py). Reads up to the first document, and the first 1,000 records of
+    each file the run reads (of 64 files at most)."""
     files, bad = _resolve_files(path), BadRecords(-1, quiet=True)
+    if reads is not None:
+        check_bad_rate(files, text_field, max_bad_records, reads)
     named = f"{files[0]}" if len(files) == 1 else f"{len(files)} files at {path!r}"
-    found = next(_file_documents(files, text_field, "train", bad), None)
-    if found is None:
-        why = f"; {bad.count} bad record(s), the first {bad.first}" if bad.count else ""
-        raise DataError(f"training.dataset_path: no text in {named}: every document is empty{why}")
+    if next(_file_documents(files, text_field, "train", bad), None) is None:
+        if bad.count:
+            raise DataError(f"training.dataset_path: no document in {named}: its records are all bad or empty "
+                            f"({bad.count} bad; the first: {'; '.join(bad.examples)}); "
+                            f"{how_to_fix(bad.reasons[0], text_field)}")
+        raise DataError(f"training.dataset_path: no text in {named}: every document is empty")
     if validation and next(_file_documents(files, text_field, "validation", bad), None) is None:
         raise DataError(f"validation.enable: the validation split of {named} is empty: it holds out record 100, "
                         f"200, ... and the data has fewer; add data, or set validation.enable = false")
