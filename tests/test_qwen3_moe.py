@@ -8,6 +8,7 @@ import torch
 
 from tessera.checkpoint.hf import load_hf
 from tessera.models import family, hf_args, num_params
+from tessera.models.common.moe import MoE
 from tests.dist_worker import run_grads, run_train
 from tests.hf_parity import assert_round_trip
 from tests.launch import assert_matches, run_cases
@@ -25,13 +26,20 @@ def test_parameter_counts_match_the_published_ones(flavor, total, active):
         assert MOE.counts(model.args, 32).params == num_params(model)
 
 
-def _theirs(path, vocab_size: int = 97, dense_first: int = 0):
+_PATTERNS = {  # which blocks have experts, as transformers picks them: not only a dense prefix
+    "every_block": {},
+    "dense_between": dict(num_hidden_layers=4, mlp_only_layers=[1, 2]),  # experts in 0 and 3
+    "every_other_but_one": dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]),  # in 1 only
+}
+
+
+def _theirs(path, vocab_size: int = 97, **overrides):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(mlp_only_layers=list(range(dense_first)), intermediate_size=96,
-                                         hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=6,
-                                         num_experts_per_tok=2, norm_topk_prob=True, vocab_size=vocab_size,
-                                         max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
+    config = transformers.Qwen3MoeConfig(**{
+        "intermediate_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 6,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": vocab_size, "max_position_embeddings": 64,
+        "bos_token_id": None, "eos_token_id": None, **overrides})
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():  # HF starts the router at 0 and the q/k norms at 1: make both count
@@ -44,13 +52,20 @@ def _theirs(path, vocab_size: int = 97, dense_first: int = 0):
     return model
 
 
-@pytest.mark.parametrize("dense_first", [0, 1])
-def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, dense_first):
+@pytest.mark.parametrize("pattern", sorted(_PATTERNS))
+def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, pattern):
+    """Any pattern of dense and MoE blocks: ours has experts exactly where transformers' has them."""
     transformers = pytest.importorskip("transformers")
-    theirs = _theirs(tmp_path / "in", dense_first=dense_first)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    theirs = _theirs(tmp_path / "in", **_PATTERNS[pattern])
     args = dataclasses.replace(hf_args("qwen3_moe", str(tmp_path / "in")), max_seq_len=32)
     with torch.device("meta"):
         ours = MOE.spec().model(args)
+    sparse = [i for i, layer in enumerate(theirs.model.layers) if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)]
+    assert list(args.moe.layers) == sparse
+    assert [i for i, block in ours.layers.items() if isinstance(block.feed_forward, MoE)] == [str(i) for i in sparse]
+    assert MOE.counts(args, 32).params == num_params(ours)
     ours.to_empty(device="cpu")
     ours.init_buffers(torch.device("cpu"))
     load_hf(ours.eval(), tmp_path / "in")
@@ -58,20 +73,22 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
 
 
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
-    """Under EP 2, EP 2 x FSDP 4 (experts sharded over both) and FSDP 2 each rank reads and writes only the
-    experts it holds; lr 0 keeps the weights, so the export equals the HF model exactly (the trained expert
-    bias is not part of HF's format)."""
+    """Experts in blocks 0 and 3 of 4 (dense between). Under EP 2, EP 2 x FSDP 4 (experts sharded over both),
+    FSDP 2 and PP 2 x EP 2 (each stage a dense and a MoE block) each rank reads and writes only the experts it
+    holds; lr 0 keeps the weights, so the export equals the HF model exactly (the trained expert bias is not
+    part of HF's format)."""
     from transformers import Qwen3MoeForCausalLM
 
     from tests.launch import run_dist
 
-    theirs = _theirs(tmp_path / "hf_in", vocab_size=300)
+    theirs = _theirs(tmp_path / "hf_in", vocab_size=300, **_PATTERNS["dense_between"])
     run = ["--model.name", "qwen3_moe", "--model.flavor=", "--training.steps", "1", "--optimizer.lr", "0",
            "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
            "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
            "--training.local_batch_size", "2"]
     ep = ["--parallelism.expert_parallel_degree", "2"]
-    for name, ranks, layout in (("ep", 2, ep), ("ep_fsdp", 4, ep), ("fsdp", 2, [])):
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    for name, ranks, layout in (("ep", 2, ep), ("ep_fsdp", 4, ep), ("fsdp", 2, []), ("pp_ep", 4, [*pp, *ep])):
         run_dist(ranks, tmp_path / name, *run, *layout)
         exported = Qwen3MoeForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
         for key, value in theirs.state_dict().items():

@@ -93,7 +93,7 @@ def _exposed_comm(cfg, dims, args, param_bytes: int, grad_accum: int, compute: f
     moe = getattr(args, "moe", None)
     ep_s = 0.0
     if moe is not None and dims.ep > 1:
-        moe_layers = (args.n_layers - moe.first_k_dense) / dims.pp
+        moe_layers = moe.n_sparse(args.n_layers) / dims.pp
         ep_s = 4 * (dims.ep - 1) / dims.ep * rows / dims.tp * moe.top_k * args.dim * act * moe_layers \
             / _bw(dims.ep, cluster)
     pp_s = 2 * rows / dims.tp * args.dim * act / _bw(dims.world_size, cluster) if dims.pp > 1 else 0.0

@@ -21,7 +21,7 @@ def check_decoder_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     degree the sequence splits into). A vocabulary of 0 is not known yet (the tokenizer's): checked once it is."""
     if tp > 1:
         moe = getattr(args, "moe", None)
-        dense = moe is None or moe.first_k_dense > 0  # blocks with a SwiGLU that TP splits
+        dense = moe is None or moe.n_sparse(args.n_layers) < args.n_layers  # blocks with a SwiGLU that TP splits
         for what, size in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
                            ("FFN hidden size", args.ffn_hidden if dense else 0), ("vocab size", args.vocab_size)):
             if size and size % tp:

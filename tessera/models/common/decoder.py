@@ -3,8 +3,8 @@ a final norm and the output head (or the embedding matrix, tied).
 
 Its args are any dataclass with: dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size,
 norm_eps, tie_embeddings, max_seq_len, qk_norm, rope_theta, rope_scaling (a dict for rope.inv_freq, or None),
-attention_bias (biases on q, k, v and o), and moe (a MoEArgs: every block's FFN after the first
-`moe.first_k_dense` is a mixture of experts; None: SwiGLU).
+attention_bias (biases on q, k, v and o), and moe (a MoEArgs: the blocks `moe.layers` names have a mixture of
+experts for FFN, the others a SwiGLU of ffn_hidden; None: SwiGLU everywhere).
 """
 
 import math
@@ -24,7 +24,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = self.make_attention(args, layer_id)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        sparse = args.moe is not None and layer_id >= args.moe.first_k_dense
+        sparse = args.moe is not None and args.moe.sparse(layer_id)
         self.feed_forward = MoE(args.dim, args.moe) if sparse else FeedForward(args.dim, args.ffn_hidden)
 
     @staticmethod

@@ -1,7 +1,21 @@
 """Mixture-of-experts hyper-parameters a family's args carry (torch-free, so configs are checked before launch).
 How a run balances and computes them (training settings, not architecture) is the `moe` config section."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def sparse_layers(n_layers: int, step: int = 1, dense: Iterable[int] = (),
+                  listed: Iterable[int] | None = None) -> tuple[int, ...]:
+    """The blocks whose FFN is a mixture of experts, as transformers picks them: those `listed` (Llama 4's
+    moe_layers) when given, else every `step`-th block (layers step-1, 2 step-1, ...: Qwen 3 MoE's
+    decoder_sparse_step, Llama 4's interleave_moe_layer_step) but those in `dense` (Qwen 3 MoE's mlp_only_layers,
+    DeepSeek's first_k_dense_replace blocks). The one list of a model that its blocks, counts, layout checks and
+    cost estimates read."""
+    if listed is not None:
+        return tuple(sorted(set(listed)))
+    dense = set(dense)
+    return tuple(i for i in range(n_layers) if (i + 1) % step == 0 and i not in dense)
 
 
 @dataclass
@@ -16,7 +30,15 @@ class MoEArgs:
     n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose within top_groups of them
     top_groups: int = 1
     score_before_experts: bool = False  # weight the expert's input, not its output (Llama 4)
-    first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (the decoder's ffn_hidden) instead
+    layers: tuple[int, ...] | None = None  # the blocks with this MoE (sparse_layers); the others keep a dense SwiGLU
+    # of the decoder's ffn_hidden. None: every block
     bias: bool = False  # biases on the router and the experts' projections (GPT-OSS)
     swiglu_limit: float = 0.0  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, then
     swiglu_alpha: float = 1.702  # gate * sigmoid(alpha * gate) * (up + 1); limit 0: plain silu(gate) * up
+
+    def sparse(self, layer_id: int) -> bool:
+        return self.layers is None or layer_id in self.layers
+
+    def n_sparse(self, n_layers: int) -> int:
+        """How many of the first `n_layers` blocks are MoE."""
+        return n_layers if self.layers is None else sum(i < n_layers for i in self.layers)

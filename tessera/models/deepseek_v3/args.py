@@ -4,7 +4,7 @@ so configs are checked before launch."""
 import dataclasses
 from dataclasses import dataclass
 
-from tessera.models.common.moe_args import MoEArgs
+from tessera.models.common.moe_args import MoEArgs, sparse_layers
 
 
 @dataclass
@@ -57,7 +57,8 @@ class DeepSeekV3Args:
     def moe(self) -> MoEArgs:
         return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, n_shared=self.n_shared,
                        score_func=self.score_func, route_norm=self.norm_topk_prob, route_scale=self.route_scale,
-                       n_groups=self.n_groups, top_groups=self.top_groups, first_k_dense=self.first_k_dense)
+                       n_groups=self.n_groups, top_groups=self.top_groups,  # MTP depths: blocks L, L + 1...
+                       layers=sparse_layers(self.n_layers + self.n_mtp, dense=range(self.first_k_dense)))
 
     def arch(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}

@@ -12,7 +12,7 @@ def counts(args, seq_len: int) -> Counts:
     """Training FLOPs per token: 6 per weight a token meets, plus attention scores and values, 12 H D_head per
     key it sees (S on NoPE layers, the chunk on chunked ones; causal masking not discounted)."""
     a, d = args, args.dim
-    sparse = sum(a.is_moe(i) for i in range(a.n_layers))
+    sparse = len(a.moe.layers)
     expert = 3 * d * a.moe_hidden
     common = a.n_layers * (d * a.head_dim * 2 * (a.n_heads + a.n_kv_heads) + 2 * d) + d \
         + (a.n_layers - sparse) * 3 * d * a.ffn_hidden + sparse * (d * a.n_experts + expert)  # router, shared expert
@@ -25,17 +25,7 @@ def counts(args, seq_len: int) -> Counts:
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
 
 
-def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
-    """The shared decoder's checks; under TP the dense layers' SwiGLU is split too (MoE layers keep each rank's
-    tokens, their experts split by EP)."""
-    check_decoder_layout(args, tp, cp, pp, label)
-    dense = any(not args.is_moe(i) for i in range(args.n_layers))
-    if tp > 1 and dense and args.ffn_hidden % tp:
-        raise ValueError(f"parallelism.tensor_parallel_degree: {tp} does not divide the FFN hidden size "
-                         f"({args.ffn_hidden}) of {label}'s dense layers; pick a divisor")
-
-
 FAMILY = Family(name="llama4", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
-                counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
+                counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.llama4.spec:SPEC",
                 hf_model_type="llama4_text")

@@ -13,7 +13,7 @@ expert beside the shared one.
 import dataclasses
 from dataclasses import dataclass, field
 
-from tessera.models.common.moe_args import MoEArgs
+from tessera.models.common.moe_args import MoEArgs, sparse_layers
 
 
 def _scout_rope() -> dict:
@@ -57,9 +57,7 @@ class Llama4Args:
         return not self.nope_interval or (layer_id + 1) % self.nope_interval != 0
 
     def is_moe(self, layer_id: int) -> bool:
-        if self.moe_layers is not None:
-            return layer_id in self.moe_layers
-        return (layer_id + 1) % self.moe_step == 0
+        return layer_id in self.moe.layers
 
     def chunked(self, layer_id: int) -> bool:
         return bool(self.chunk) and self.uses_rope(layer_id)
@@ -69,10 +67,11 @@ class Llama4Args:
         """Top-k of sigmoid scores (the same experts as top-k of the logits), unnormalized, weighting each
         expert's input; one shared expert of the routed ones' size."""
         return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, n_shared=1,
-                       score_func="sigmoid", route_norm=False, score_before_experts=True)
+                       score_func="sigmoid", route_norm=False, score_before_experts=True,
+                       layers=sparse_layers(self.n_layers, self.moe_step, listed=self.moe_layers))
 
     def arch(self) -> dict:
-        unused = ("max_seq_len",) + (() if any(not self.is_moe(i) for i in range(self.n_layers)) else ("ffn_hidden",))
+        unused = ("max_seq_len",) + (() if len(self.moe.layers) < self.n_layers else ("ffn_hidden",))
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in unused}
 
 

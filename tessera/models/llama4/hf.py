@@ -10,6 +10,7 @@ vision tower, and config.json's `text_config`. Such a folder imports its text pa
 import re
 
 from tessera.models.common import hf as shared
+from tessera.models.common.moe_args import sparse_layers
 from tessera.models.llama4.args import Llama4Args
 
 _FFN = {"feed_forward.w1": "feed_forward.gate_proj", "feed_forward.w2": "feed_forward.down_proj",
@@ -108,7 +109,7 @@ def args_from_hf_config(config: dict) -> Llama4Args:
     every_interval = [int((i + 1) % interval != 0) for i in range(n_layers)]  # HF's defaults
     rope_layers = _pattern(config, "no_rope_layers", n_layers, every_interval)
     step = shared.positive_int({"interleave_moe_layer_step": 1, **config}, "interleave_moe_layer_step")
-    every_step = list(range(step - 1, n_layers, step))
+    every_step = list(sparse_layers(n_layers, step))
     moe_layers = every_step if config.get("moe_layers") is None else config["moe_layers"]
     if not all(isinstance(i, int) and 0 <= i < n_layers for i in moe_layers):
         raise ValueError(f"moe_layers = {moe_layers!r}: layer indices below num_hidden_layers ({n_layers})")

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.common.attention import Attention, FeedForward, KVCache
+from tessera.models.common.attention import Attention, KVCache
 from tessera.models.common.decoder import Decoder, TransformerBlock
-from tessera.models.common.moe import MoE
 from tessera.models.common.rope import rope_rows
 
 COS, SIN, TEMPERATURE = 0, 1, 2  # the rows of the position table
@@ -65,15 +64,12 @@ class Llama4Attention(Attention):
 
 
 class Llama4Block(TransformerBlock):
-    """A MoE FFN in the layers HF's moe_layers names, a dense SwiGLU (of ffn_hidden) in the others."""
+    """A MoE FFN in the layers HF's moe_layers names (args.moe.layers), a dense SwiGLU (of ffn_hidden) in the
+    others: the shared block's, with Llama 4's attention."""
 
-    def __init__(self, args, layer_id: int):
-        nn.Module.__init__(self)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Llama4Attention(args, layer_id)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = MoE(args.dim, args.moe) if args.is_moe(layer_id) else FeedForward(args.dim,
-                                                                                              args.ffn_hidden)
+    @staticmethod
+    def make_attention(args, layer_id: int) -> nn.Module:
+        return Llama4Attention(args, layer_id)
 
 
 class Llama4(Decoder):

@@ -44,18 +44,17 @@ def from_hf(state: dict) -> dict:
 
 
 def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
-    """A `Qwen3MoeForCausalLM` config.json whose layers are sparse but for a first few (`mlp_only_layers`
-    0..k-1); other dense layers, sliding windows, biases or a RoPE other than plain are refused."""
+    """A `Qwen3MoeForCausalLM` config.json, with experts in any pattern of blocks (as transformers picks them:
+    block i unless i is in mlp_only_layers, and only if (i + 1) % decoder_sparse_step == 0); sliding windows,
+    biases or a RoPE other than plain are refused."""
     shared.refuse_unsupported(config, "qwen3_moe", "qwen3_moe", {"hidden_act": "silu", "attention_bias": False,
-                                                          "use_sliding_window": False, "decoder_sparse_step": 1},
-                              ("default",))
+                                                          "use_sliding_window": False}, ("default",))
     dense = config.get("mlp_only_layers") or []
-    if dense != list(range(len(dense))):
-        raise ValueError(f"mlp_only_layers = {dense!r}: Tessera's qwen3_moe keeps dense FFNs in the first layers "
-                         f"only (0, 1, ... k-1)")
+    if not isinstance(dense, list) or not all(type(i) is int and i >= 0 for i in dense):
+        raise ValueError(f"mlp_only_layers = {dense!r}: a list of layer indices is required")
     dim, n_heads, kv_heads, head_dim = shared.heads({"head_dim": 128, **config})
     experts = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 writes the latter
-    return Qwen3MoeArgs(dim=dim, n_layers=shared.positive_int(config, "num_hidden_layers"), n_heads=n_heads,
+    args = Qwen3MoeArgs(dim=dim, n_layers=shared.positive_int(config, "num_hidden_layers"), n_heads=n_heads,
                         n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=shared.positive_int(config, "vocab_size"),
                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                         rope_theta=float(shared.rope_parameters({"rope_theta": 10000.0, **config})["rope_theta"]),
@@ -64,14 +63,19 @@ def args_from_hf_config(config: dict) -> Qwen3MoeArgs:
                         n_experts=shared.positive_int(config, experts),
                         top_k=shared.positive_int(config, "num_experts_per_tok"),
                         moe_hidden=shared.positive_int(config, "moe_intermediate_size"),
-                        norm_topk_prob=bool(config.get("norm_topk_prob", False)), first_k_dense=len(dense),
-                        **({"ffn_hidden": shared.positive_int(config, "intermediate_size")} if dense else {}))
+                        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                        sparse_step=shared.positive_int({"decoder_sparse_step": 1, **config}, "decoder_sparse_step"),
+                        dense_layers=sorted(set(dense)))
+    if len(args.moe.layers) < args.n_layers:  # a dense block: its width is intermediate_size
+        args.ffn_hidden = shared.positive_int(config, "intermediate_size")
+    return args
 
 
 def hf_config(args: Qwen3MoeArgs, bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     return {**shared.decoder_config(args, "Qwen3MoeForCausalLM", "qwen3_moe", rope, args.max_seq_len, bos_id, eos_id),
-            "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": list(range(args.first_k_dense)),
+            "use_sliding_window": False, "decoder_sparse_step": args.sparse_step,
+            "mlp_only_layers": list(args.dense_layers),
             "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
             "norm_topk_prob": args.norm_topk_prob}
