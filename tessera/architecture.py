@@ -26,9 +26,11 @@ def asked_args(cfg: JobConfig, vocab_size: int | None):
 
 
 def hf_args(cfg: JobConfig):
-    """The architecture `<checkpoint.initial_load_path>/config.json` describes."""
+    """The architecture `<checkpoint.initial_load_path>/config.json` describes (DeepSeek's MTP depths that the
+    folder lacks kept, freshly initialized, when training.mtp_loss_weight trains them)."""
     try:
-        return models.hf_args(cfg.model.name, cfg.checkpoint.initial_load_path)
+        return models.hf_args(cfg.model.name, cfg.checkpoint.initial_load_path,
+                              train=cfg.training.mtp_loss_weight > 0)
     except ValueError as e:
         raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
 

@@ -83,6 +83,70 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
     assert_round_trip(theirs, ours, args, transformers.DeepseekV3ForCausalLM, tmp_path / "in", tmp_path)
 
 
+def test_a_folder_transformers_saved_loads_without_the_mtp_depth_its_config_declares(tmp_path, capsys, caplog):
+    """transformers' DeepseekV3Config declares 1 MTP depth (num_nextn_predict_layers) that save_pretrained never
+    writes: such a folder loads without it, saying so in one line, and python -m tessera.generate's greedy
+    continuation equals transformers'; the round trip holds (the export declares 0 depths)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from tessera.generate import main
+
+    theirs = _theirs(tmp_path / "in", num_mtp_layers=1, **_CONFIGS["plain_q_halves"])
+    assert json.loads((tmp_path / "in" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    ours, args = _ours(tmp_path / "in")
+    assert args.n_mtp == 0 and ours.mtp is None
+    assert [r.getMessage() for r in caplog.records if r.name == "tessera"] == [
+        f"{tmp_path / 'in'}: config.json declares 1 MTP depth(s) (num_nextn_predict_layers) but the folder holds none "
+        f"of their weights (model.layers.3...; transformers saves none): loaded without them"]
+    prompt = [3, 17, 42, 5]
+    argv = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "in"),
+            "--generate.prompt_ids", ",".join(map(str, prompt)), "--generate.max_new_tokens", "12",
+            "--generate.temperature", "0", "--generate.json"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert json.loads(capsys.readouterr().out)["output_ids"] == want[0, len(prompt):].tolist()
+    assert_round_trip(theirs, ours, args, DeepseekV3ForCausalLM, tmp_path / "in", tmp_path)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_a_run_training_mtp_starts_the_missing_depth_fresh_and_a_partial_depth_is_refused(tmp_path, caplog):
+    """A run with training.mtp_loss_weight > 0 builds the declared depth from such a folder and keeps it as
+    initialized (the rest loaded); at weight 0 it builds none. A folder holding part of an MTP layer is refused,
+    naming the missing tensor and the parameter it is for."""
+    from safetensors.torch import load_file, save_file
+
+    from tessera import architecture
+    from tessera.checkpoint.hf import HFError
+    from tessera.config import parse_args
+    from tessera.parallel.init import materialize
+
+    theirs = _theirs(tmp_path / "in", num_mtp_layers=1, **_CONFIGS["plain_q_halves"])
+    run = ["--model.name", "deepseek_v3", "--model.flavor=", "--checkpoint.initial_load_in_hf",
+           "--checkpoint.initial_load_path", str(tmp_path / "in"), "--training.seq_len", "32"]
+    assert architecture.resolve(parse_args([*run, "--training.mtp_loss_weight", "0"]), None, None).n_mtp == 0
+    args = architecture.resolve(parse_args(run), None, None)
+    assert args.n_mtp == 1
+    with torch.device("meta"):
+        model = DSV3.spec().model(args)
+    materialize(model, torch.device("cpu"), 0)
+    initialized = {n: p.clone() for n, p in model.state_dict().items() if n.startswith("mtp.")}
+    load_hf(model, tmp_path / "in")
+    assert [r for r in caplog.records if r.name == "tessera"][-1].getMessage().endswith("start freshly initialized")
+    for name, value in initialized.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    _add_mtp(tmp_path / "in", theirs, 1)
+    state = load_file(tmp_path / "in" / "model.safetensors")
+    del state["model.layers.3.enorm.weight"]
+    save_file(state, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    assert hf_args("deepseek_v3", str(tmp_path / "in")).n_mtp == 1
+    with pytest.raises(HFError, match=r"^missing tensor 'model.layers.3.enorm.weight' \(for mtp.0.enorm.weight\) "):
+        _ours(tmp_path / "in")
+
+
 def _add_mtp(folder, theirs, depths: int):
     """transformers' MtpModel over `theirs`, random, its weights added to the folder as DeepSeek lays them
     out: layers L, L + 1... (per-expert tensors, `shared_head.norm`, copies of the embedding and head)."""

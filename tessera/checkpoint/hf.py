@@ -7,6 +7,7 @@ process without a process group.
 """
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from tessera import models
 from tessera.checkpoint import mxfp4, plain
 
+log = logging.getLogger("tessera")
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # as transformers' save_pretrained
 
@@ -136,16 +138,19 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     `model`: the whole model, or under pipeline parallelism a module over this rank's stages with the whole
     model's names; `args`: the whole model's (default `model.args`); `family`: by default theirs. The folder
     must hold exactly that model: its config.json describes the same architecture, and it has every tensor of
-    it with its shape, and no other. Plain or DTensor parameters alike: each rank reads only its own shards.
+    it with its shape, and no other; but for parts the family's adapter lets it lack entirely (DeepSeek's MTP
+    depths, which transformers never saves), which stay as initialized, said in one line.
+    Plain or DTensor parameters alike: each rank reads only its own shards.
     """
     folder = hf_folder(path)
     args = model.args if args is None else args
     family = family or models.family_of(args).name
-    try:
-        theirs = models.hf_args(family, folder)
+    try:  # the folder as it loads, else with the parts it lacks initialized (a model built to train them)
+        fits = [models.hf_fit(family, str(folder), train) for train in (False, True)]
     except ValueError as e:
         raise HFError(str(e)) from None
-    diffs = models.arch_differences(theirs, args, ("config.json", "model"))
+    fit = next((f for f in fits if not models.arch_differences(f.args, args)), fits[0])
+    diffs = models.arch_differences(fit.args, args, ("config.json", "model"))
     if diffs:
         raise HFError(f"{folder / 'config.json'} describes another model than the one built, in {len(diffs)} "
                       f"field(s): {'; '.join(diffs)}; build config.json's architecture (leave model.flavor empty)")
@@ -159,8 +164,10 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     # releases): stored_names maps each stored name to its to_hf name, or to None (not the model's).
     stored = fam.hf.stored_names(saved) if hasattr(fam.hf, "stored_names") else {n: n for n in saved}
     saved = {stored[n]: m for n, m in saved.items() if stored[n] is not None}
+    if fit.note and _rank0():
+        log.warning(f"{folder}: {fit.note}")
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
-        whole = fam.hf.to_hf(fam.spec().model(args).state_dict())
+        whole = fam.hf.to_hf(_without(fam.spec().model(args).state_dict(), fit.fresh))
     scales = {n for n in saved if n.endswith(_SCALE)}
     if scales and not isinstance(reader, QuantizedHuggingFaceStorageReader):
         raise HFError(f"'{folder}' holds block-quantization scales ('{min(scales)}') but its config.json has no "
@@ -179,18 +186,19 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         if name in scales:
             continue
         if name not in whole:
-            ours = _our_name(fam.hf, name)
+            ours = _our_name(fam.hf, name, whole)
             raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
                 f"the model built has no {ours}" if ours else f"no {family} parameter maps to it"))
     for name, t in whole.items():
         if name not in sizes:
-            raise HFError(f"missing tensor '{name}' (for {_our_name(fam.hf, name)}) in '{folder}'")
+            ours = _our_name(fam.hf, name, whole)
+            raise HFError(f"missing tensor '{name}'{f' (for {ours})' if ours else ''} in '{folder}'")
         if sizes[name] != tuple(t.shape):
             raise HFError(f"shape mismatch for '{name}' in '{folder}': checkpoint {list(sizes[name])}, "
                           f"model {list(t.shape)}")
     # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
-    targets = fam.hf.to_hf(plain.model_state(model))
+    targets = fam.hf.to_hf(_without(plain.model_state(model), fit.fresh))
     reads = {n: t for n, t in targets.items() if n not in quantized}
     for name in quantized & targets.keys():
         reads.update(mxfp4.parts(targets[name], saved, name))
@@ -230,8 +238,16 @@ def _reader(folder: Path) -> HuggingFaceStorageReader:
     return QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.float32, block_size=int(block[0]))
 
 
-def _our_name(hf, name: str) -> str | None:
+def _without(state: dict, prefixes: tuple[str, ...]) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith(prefixes)} if prefixes else state
+
+
+def _our_name(hf, name: str, known) -> str | None:
+    """Our parameter that the checkpoint tensor `name` is (part of), read among the model's other tensors
+    `known` (an adapter may need them: DeepSeek tells MTP layers by their own tensors); None if none is."""
+    others = dict.fromkeys(n for n in known if n != name)
     try:
-        return next(iter(hf.from_hf({name: None})))
+        added = hf.from_hf({**others, name: None}).keys() - hf.from_hf(others).keys()
+        return next(iter(added)) if len(added) == 1 else next(iter(hf.from_hf({name: None})), None)
     except KeyError:
         return None

@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import os
+from typing import NamedTuple
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux")
 
@@ -50,16 +51,38 @@ def args_from_json(record: dict) -> tuple[str, object]:
     return name, cls(**record["args"])
 
 
-def hf_args(name: str, path: str):
+class HFFit(NamedTuple):
+    """What a Hugging Face folder holds: the architecture to build, the parts of it (parameter name prefixes)
+    that the folder lacks and that stay as initialized, and a line saying how it differs from config.json."""
+    args: object
+    fresh: tuple[str, ...] = ()
+    note: str | None = None
+
+
+def hf_fit(name: str, path: str, train: bool = False) -> HFFit:
     """The architecture the config.json of the Hugging Face folder at `path` (or beside the file `path`)
-    describes; ValueError naming the file when it is missing, unreadable, or not one the family computes."""
+    describes, fitted to the weights beside it by the family's adapter (`fit_to_weights`: DeepSeek's MTP depths
+    that transformers declares but never saves are left out, or, for a run that trains them (`train`), start
+    freshly initialized); ValueError naming the file when it is missing, unreadable, or not one the family
+    computes."""
     folder = os.path.dirname(path) if os.path.isfile(path) else path
     config = os.path.join(folder, "config.json")
+    adapter = family(name).hf
     try:
         with open(config) as fh:
-            return family(name).hf.args_from_hf_config(json.load(fh))
+            args = adapter.args_from_hf_config(json.load(fh))
     except FileNotFoundError:
         raise ValueError(f"no config.json in '{folder}': the weights' architecture is unknown; a Hugging Face "
                          f"folder holds one beside its safetensors") from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"{config}: {e}") from None
+    if not hasattr(adapter, "fit_to_weights"):
+        return HFFit(args)
+    from tessera.models.common.hf import stored_names
+
+    return HFFit(*adapter.fit_to_weights(args, stored_names(folder), train))
+
+
+def hf_args(name: str, path: str, train: bool = False):
+    """hf_fit's architecture."""
+    return hf_fit(name, path, train).args

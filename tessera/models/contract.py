@@ -17,6 +17,8 @@ class HFAdapter(Protocol):
     values must be the given tensors themselves or views of them (or fresh tensors that `from_hf` folds
     back, e.g. scales), for plain tensors and DTensor shards alike; `from_hf` of that is set into the model.
     Optional: `stored_names(names)`, {name in a folder: its to_hf name, or None for another model's tensor};
+    `fit_to_weights(args, names, train)` -> (args, prefixes of ours the folder lacks, kept as initialized, a note
+    or None): config.json's args fitted to the tensor names a folder holds (tessera.models.hf_fit);
     `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model)."""
 
     def to_hf(self, state: dict) -> dict: ...

@@ -57,14 +57,17 @@ class Decoder(nn.Module):
         self.register_buffer("rope", torch.empty(args.max_seq_len, 2, self.rope_dim, device="meta"), persistent=False)
 
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
-        """The RoPE table, at `positions` (default 0 ... max_seq_len - 1)."""
-        positions = torch.arange(self.args.max_seq_len, device=device) if positions is None else positions
+        """The RoPE table, at `positions` (default 0 ... max_seq_len - 1). Materializing (no `positions`), the
+        MoE layers' balancing state starts at 0 too; a table remade for other positions keeps the loaded one
+        (DeepSeek's expert selection bias)."""
+        if positions is None:
+            positions = torch.arange(self.args.max_seq_len, device=device)
+            for module in self.modules():
+                if isinstance(module, MoE):
+                    module.reset_buffers()
         a = self.args
         freqs = inv_freq(self.rope_dim, a.rope_theta, a.rope_scaling, a.max_seq_len)
         self.rope = rope_table(positions.to(device), freqs, attention_factor(a.rope_scaling))
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """What the decoder families' Hugging Face adapters share: name tables both ways, and reading config.json
 values strictly (a value Tessera would not compute the same way is refused, never guessed at)."""
 
+import glob
+import json
+import os
 import re
+import struct
 
 # Our block's module names -> transformers' (Llama, Qwen 3, and the many decoders that copied them).
 DECODER_LAYER = {
@@ -36,6 +40,24 @@ class Renamer:
         """Checkpoint names -> ours. A tied model has no output.weight: an `lm_head.weight` beside tied
         embeddings maps to a tensor the model lacks, which the loader refuses rather than drop."""
         return {self._rename(k, self.back): v for k, v in state.items()}
+
+
+def stored_names(folder: str) -> set[str]:
+    """The tensor names the safetensors files in `folder` hold, torch-free: an index's weight map, else each
+    file's header. ValueError naming the file when one cannot be read."""
+    indexes = glob.glob(os.path.join(folder, "*.safetensors.index.json"))
+    paths = indexes or glob.glob(os.path.join(folder, "*.safetensors"))
+    names = set()
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                if indexes:
+                    names |= json.load(fh)["weight_map"].keys()
+                else:
+                    names |= json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0])).keys() - {"__metadata__"}
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise ValueError(f"cannot read the tensor names in {path}: {type(e).__name__}: {e}") from None
+    return names
 
 
 def positive_int(config: dict, key: str) -> int:

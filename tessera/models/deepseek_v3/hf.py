@@ -2,6 +2,7 @@
 tensors stacked here, and the router's selection bias (HF `e_score_correction_bias`). FP8 block-quantized
 checkpoints are dequantized as they are read (tessera.checkpoint.hf)."""
 
+import dataclasses
 import re
 
 from tessera.models.common import hf as shared
@@ -92,7 +93,7 @@ def _in_depth(name: str, first_mtp: int | None) -> str:
 def args_from_hf_config(config: dict) -> DeepSeekV3Args:
     """A `DeepseekV3ForCausalLM` config.json; biases, another activation, RoPE other than plain or YaRN, and
     key/value heads apart from the query heads are refused. Its MTP layers (num_nextn_predict_layers, or
-    transformers' num_mtp_layers) are built, so the folder must hold their weights (layers L, L + 1...)."""
+    transformers' num_mtp_layers) are built: their weights are layers L, L + 1... (see fit_to_weights)."""
     shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
                               ("default", "yarn"))
     heads = shared.positive_int(config, "num_attention_heads")
@@ -123,6 +124,21 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         n_mtp=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0))
+
+
+def fit_to_weights(args: DeepSeekV3Args, names: set[str], train: bool) -> tuple[DeepSeekV3Args, tuple, str | None]:
+    """transformers declares MTP depths (num_nextn_predict_layers, 1 by default) but neither builds nor saves
+    them: a folder holding no tensor of layers L, L + 1... (every fine-tune or conversion transformers wrote)
+    loads without them, or with them freshly initialized for a run that trains them (`train`). A folder holding
+    part of them keeps them, so that the load names what it lacks. (args, prefixes left as initialized, note)."""
+    layers = {int(m[1]) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if not args.n_mtp or max(layers, default=-1) >= args.n_layers:
+        return args, (), None
+    lacks = (f"config.json declares {args.n_mtp} MTP depth(s) (num_nextn_predict_layers) but the folder holds none "
+             f"of their weights (model.layers.{args.n_layers}...; transformers saves none)")
+    if train:
+        return args, ("mtp.",), f"{lacks}: they start freshly initialized"
+    return dataclasses.replace(args, n_mtp=0), (), f"{lacks}: loaded without them"
 
 
 def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
