@@ -56,6 +56,29 @@ def _checkpoint_folder(path: str) -> str:
     raise ConfigError(f"checkpoint: no complete checkpoint in '{path}' (nor under its checkpoint/ folder)")
 
 
+def is_hf(path: str, hf: bool | None = None) -> bool:
+    """`hf` if given, else whether `path` is a folder holding config.json and no DCP .metadata."""
+    return hf if hf is not None else (os.path.isfile(os.path.join(path, "config.json"))
+                                      and not os.path.isfile(os.path.join(path, ".metadata")))
+
+
+def hf_family(path: str):
+    """The family of the Hugging Face folder at `path`, from its config.json."""
+    config = os.path.join(path, "config.json")
+    try:
+        with open(config) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise HFError(f"no config.json in '{path}': the weights' architecture is unknown; a Hugging Face folder "
+                      f"holds one beside its safetensors") from None
+    except (OSError, ValueError) as e:
+        raise HFError(f"{config}: {e}") from None
+    try:
+        return models.family_of_hf_config(data, config)
+    except ValueError as e:
+        raise HFError(str(e)) from None
+
+
 def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", hf: bool | None = None,
                     max_seq_len: int | None = None, hf_assets_path: str = ""):
     """(model in eval mode on `device`, its tokenizer) from a Hugging Face folder (config.json + safetensors)
@@ -64,18 +87,9 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     `max_seq_len`: positions the RoPE table covers (default: what the checkpoint or config.json says, at most
     DEFAULT_MAX_SEQ_LEN)."""
     path, device = str(path), torch.device(device)
-    hf = hf if hf is not None else (os.path.isfile(os.path.join(path, "config.json"))
-                                    and not os.path.isfile(os.path.join(path, ".metadata")))
+    hf = is_hf(path, hf)
     if hf:
-        with open(os.path.join(path, "config.json")) as fh:
-            config = json.load(fh)
-        # A multimodal release (Llama 4's) names its language model's type in text_config.
-        model_type = config.get("model_type")
-        types = {model_type, (config.get("text_config") or {}).get("model_type")}
-        fam = next((models.family(n) for n in models.FAMILIES if models.family(n).hf_model_type in types), None)
-        if fam is None:
-            raise HFError(f"{path}/config.json: model_type {model_type!r} is none of Tessera's families' "
-                          f"({', '.join(models.family(n).hf_model_type for n in models.FAMILIES)})")
+        fam = hf_family(path)
         try:
             args = models.hf_args(fam.name, path)
         except ValueError as e:
@@ -155,12 +169,17 @@ def _prompt(g, tokenizer) -> list[int]:
 
 
 def _family_generate(source: str, hf: bool):
-    """The entry point of a family that samples its own way (ModelSpec.generate), for a Tessera checkpoint of it."""
+    """The entry point of a family that samples its own way (ModelSpec.generate), for a Tessera checkpoint or a
+    Hugging Face folder of it."""
     try:
-        record = None if hf else read_model_record(_checkpoint_folder(source))
-    except ConfigError:  # a Hugging Face folder, or nothing: from_pretrained says which
+        if is_hf(source, hf or None):
+            fam = hf_family(source)
+        else:
+            record = read_model_record(_checkpoint_folder(source))
+            fam = models.family(record["family"]) if record else None
+    except (ConfigError, HFError):  # nothing a model loads from: from_pretrained says why
         return None
-    entry = models.family(record["family"]).spec().generate if record else None
+    entry = fam.spec().generate if fam else None
     if entry is None:
         return None
     module, _, function = entry.partition(":")

@@ -43,6 +43,11 @@ _CONFIGS = {  # no presets: odd widths, RoPE axes that are not the release's, gu
 }
 
 
+# No preset either, with the widths of the tiny encoders' features (T5 32, CLIP 32) and latents (3 x 2 x 2).
+_SAMPLED = dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=3, in_channels=12,
+                joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+
+
 def _ids(n_txt: int, h: int, w: int):
     img = torch.zeros(h, w, 3)
     img[..., 1], img[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None]
@@ -63,6 +68,14 @@ def test_transformer_equals_diffusers(tmp_path, name):
     ours = _build(args).eval()
     from safetensors.torch import load_file
     ours.load_state_dict(FLUX.hf.from_hf(load_file(tmp_path / "diffusion_pytorch_model.safetensors")))
+    _assert_equal_outputs(ours, theirs, args)
+    assert FLUX.hf.to_hf(ours.state_dict()).keys() == theirs.state_dict().keys()
+    assert FLUX.hf.hf_config(args)["axes_dims_rope"] == list(config["axes_dims_rope"])
+    assert dataclasses.replace(args) == FLUX.hf.args_from_hf_config(FLUX.hf.hf_config(args))
+
+
+def _assert_equal_outputs(ours, theirs, args) -> None:
+    """Ours and diffusers' model give the same velocity (within 1e-5) on random latents, captions and times."""
     gen = torch.Generator().manual_seed(1)
     b, n_txt, h, w = 2, 5, 3, 4
     img_ids, txt_ids = _ids(n_txt, h, w)
@@ -78,9 +91,44 @@ def test_transformer_equals_diffusers(tmp_path, name):
                       guidance=inputs["guidance"]).sample
     assert want.abs().max() > 1.0  # the outputs are not vanishing
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert FLUX.hf.to_hf(ours.state_dict()).keys() == theirs.state_dict().keys()
-    assert FLUX.hf.hf_config(args)["axes_dims_rope"] == list(config["axes_dims_rope"])
-    assert dataclasses.replace(args) == FLUX.hf.args_from_hf_config(FLUX.hf.hf_config(args))
+
+
+def test_a_diffusers_folder_opens_for_inference(tmp_path, capsys):
+    """A FluxTransformer2DModel folder as diffusers saves it (sharded, as a release's transformer/; no preset), and
+    Tessera's export of it, open with tessera.from_pretrained (config.json names _class_name, not model_type) and
+    compute what diffusers' model does; the export has no language model's generation_config.json. python -m
+    tessera.generate hands such a folder to Flux's sampler, with the encoders of the release it sits in."""
+    diffusers = pytest.importorskip("diffusers")
+    from tessera import from_pretrained
+    from tessera.checkpoint.hf import save_hf
+    from tessera.generate import main
+
+    torch.manual_seed(0)
+    theirs = diffusers.FluxTransformer2DModel(**_SAMPLED).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.15)
+    folder = tmp_path / "release" / "transformer"
+    theirs.save_pretrained(folder, max_shard_size="100KB")
+    assert "model_type" not in json.loads((folder / "config.json").read_text())
+    assert len(list(folder.glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    ours, _ = from_pretrained(folder)
+    _assert_equal_outputs(ours, theirs, ours.args)
+    save_hf(ours, ours.args, tmp_path / "export", bos_id=1, eos_id=2)
+    assert not (tmp_path / "export" / "generation_config.json").exists()
+    _assert_equal_outputs(from_pretrained(tmp_path / "export")[0], theirs, ours.args)
+    argv = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder), "--generate.prompt",
+            "a big red circle in the middle", "--flux.sample_steps", "1", "--job.dump_folder", str(tmp_path / "out")]
+    assert main(argv) == 0 and (tmp_path / "out" / "samples" / "generate-0.png").is_file()
+    for part in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):  # a release's parts beside
+        (tmp_path / "release" / part).mkdir()
+    (tmp_path / "release" / "vae" / "config.json").write_text(json.dumps({"latent_channels": 16,
+                                                                         "block_out_channels": [128, 256, 512, 512]}))
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"tessera.models.flux.generate: flux.encoders: '{tmp_path / 'release'}' makes 64 input channels (latent "
+        f"channels x 2 x 2), but the model in '{folder}' takes 12; pass the release folder it came with\n")
 
 
 MODEL = ["--model.name", "flux", "--model.flavor", "flux-debug", "--training.seq_len", "112",
@@ -347,9 +395,7 @@ def test_trainer_imports_and_exports_diffusers_weights(tmp_path):
     from tests.launch import merge, run_local
 
     torch.manual_seed(0)
-    theirs = diffusers.FluxTransformer2DModel(
-        num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=3, in_channels=12,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    theirs = diffusers.FluxTransformer2DModel(**_SAMPLED)
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.05)

@@ -55,8 +55,9 @@ def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
 def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
             family: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, bos_id: int | None = None,
             eos_id: int | None = None) -> None:
-    """Write `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` + `config.json` (and, given the
-    tokenizer's `bos_id`/`eos_id`, `generation_config.json`) to `out_dir`.
+    """Write `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` + `config.json` (and, for a
+    language model given the tokenizer's `bos_id`/`eos_id`, `generation_config.json`) to `out_dir`; a diffusers
+    model's files under its own names (the adapter's `weights_name`).
 
     `model_state`: our names -> tensors or DTensors (or the model itself, read with get_model_state_dict);
     under pipeline parallelism, this rank's stages. `family`: by default the one `args` belong to. Every rank
@@ -90,13 +91,14 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     if _rank0():
         shutil.rmtree(out / "sharded", ignore_errors=True)
         config = hf.hf_config(args, bos_id=bos_id, eos_id=eos_id)
-        if getattr(hf, "weights_name", "model") == "model":  # diffusers' from_pretrained refuses a dtype key
+        diffusers = getattr(hf, "weights_name", "model") != "model"
+        if not diffusers:  # diffusers' from_pretrained refuses a dtype key
             config["torch_dtype"] = config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if bos_id is not None and eos_id is not None:
+        if bos_id is not None and eos_id is not None and not diffusers:  # a language model's sampling defaults
             generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
             (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if getattr(hf, "weights_name", "model") != "model":
+        if diffusers:
             _rename_weights(out, hf.weights_name)
     _barrier()
 

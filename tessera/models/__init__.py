@@ -51,6 +51,20 @@ def args_from_json(record: dict) -> tuple[str, object]:
     return name, cls(**record["args"])
 
 
+def family_of_hf_config(config: dict, where: str):
+    """The family of a Hugging Face config.json (read from `where`): transformers' model_type (a multimodal
+    release's in its text_config, as Llama 4's) or diffusers' _class_name (Flux's transformer/ folder)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    names = {config.get("model_type"), text.get("model_type"), config.get("_class_name")} - {None}
+    for name in FAMILIES:
+        if family(name).hf_model_type in names:
+            return family(name)
+    known = ", ".join(family(n).hf_model_type for n in FAMILIES)
+    said = " or ".join(f"{k} {config[k]!r}" for k in ("model_type", "_class_name") if k in config) or "no model_type"
+    raise ValueError(f"{where}: {said} is none of Tessera's families' ({known}); a transformers config names "
+                     f"model_type, a diffusers one _class_name")
+
+
 class HFFit(NamedTuple):
     """What a Hugging Face folder holds: the architecture to build, the parts of it (parameter name prefixes)
     that the folder lacks and that stay as initialized, and a line saying how it differs from config.json."""

@@ -75,7 +75,7 @@ class Family:
     embedding: str  # the input embedding's parameter (its rows are the vocabulary)
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
-    hf_model_type: str  # config.json's model_type
+    hf_model_type: str  # config.json's model_type (transformers), or _class_name (diffusers)
     check_config: Callable[[Any], None] | None = None  # (cfg): a family with its own data checks it and its own
     # config section here, in place of the text data's checks; ValueError "key: why; fix"
 

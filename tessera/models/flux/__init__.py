@@ -41,5 +41,5 @@ def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
 
 FAMILY = Family(name="flux", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(), hf=hf, counts=counts,
                 check_layout=check_layout, embedding="x_embedder.weight", high_precision=("proj_out",),
-                torch_side="tessera.models.flux.spec:SPEC", hf_model_type="flux",
+                torch_side="tessera.models.flux.spec:SPEC", hf_model_type=hf.CLASS_NAME,
                 check_config=check_config)
