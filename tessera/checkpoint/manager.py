@@ -115,15 +115,16 @@ def verify_shared(path: str, marker: dict) -> str | None:
     return problem
 
 
-def find_resume(cfg: JobConfig) -> tuple[int, str, dict] | None:
+def find_resume(cfg: JobConfig, damaged: set[str] | None = None) -> tuple[int, str, dict] | None:
     """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer), its content
-    checked: a damaged one is skipped with one warning naming the file (an explicit load_step is refused)."""
+    checked: a damaged one is skipped with one warning naming the file (an explicit load_step is refused), and
+    its path added to `damaged`."""
     if not cfg.checkpoint.enable:
         return None
-    root, load_step, damaged = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
+    root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
     while True:
         try:
-            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=damaged))
+            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if found is None:
@@ -135,13 +136,15 @@ def find_resume(cfg: JobConfig) -> tuple[int, str, dict] | None:
         if load_step >= 0:
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
         warn_once(skip_message(step, problem))
-        damaged.append(step)
+        skipped.append(step)
+        if damaged is not None:
+            damaged.add(path)
 
 
 class Checkpointer:
     """Saves at intervals and at the end, resumes at start. One per run; rank 0 writes markers and purges."""
 
-    def __init__(self, cfg: JobConfig, rank: int, model_args):
+    def __init__(self, cfg: JobConfig, rank: int, model_args, damaged: set[str] | None = None):
         self.cfg, self.c, self.rank, self.model_args = cfg, cfg.checkpoint, rank, model_args
         self.root = os.path.join(cfg.job.dump_folder, self.c.folder)
         self.distributed = dist.is_initialized()
@@ -150,6 +153,7 @@ class Checkpointer:
         self.pending: Future | None = None
         self.stall_s = 0.0  # training time lost to saving since the last report
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
+        self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, tr, model_only: bool, dtype: torch.dtype | None = None) -> dict:
@@ -230,6 +234,7 @@ class Checkpointer:
         """`path`, emptied of an earlier save's files (interrupted, damaged, or of a run resumed from an older
         step) before any rank writes: they would be listed with this one's; the broadcast orders it first."""
         on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
+        self.damaged.discard(path)
         return path
 
     def _async_save(self, state: dict, writer: HashingWriter) -> Future:
@@ -257,10 +262,10 @@ class Checkpointer:
 
     def _purge(self, newest: int) -> None:
         """Keep the newest keep_latest_k complete checkpoints, the newest full one always among them; drop older
-        ones and older interrupted saves. Exports are the user's and stay."""
+        ones, older interrupted saves and older ones found damaged. Exports are the user's and stay."""
         folders = step_folders(self.root)
         markers = {path: read_marker(path) for _, path in folders}
-        complete = [path for _, path in folders if markers[path] is not None]
+        complete = [path for _, path in folders if markers[path] is not None and path not in self.damaged]
         keep = set(complete[: self.c.keep_latest_k] if self.c.keep_latest_k else complete)
         full = [path for path in complete if markers[path].get("kind") == "full"]
         # The newest full one, and the newest this run knows intact (saved or content-checked at resume): a newer
