@@ -133,18 +133,31 @@ def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
     again = _torchrun_train(tmp_path / "run")
     out = again.stdout.read()
     assert again.wait(timeout=300) == 0, out[-3000:]
-    assert "skipping checkpoint step 9" in out and "resumed from checkpoint step 6" in out
+    assert out.count("skipping checkpoint step 9") == 1 and "resumed from checkpoint step 6" in out  # rank 0 alone
     _params_equal(*(_export(tmp_path / f"{run}/checkpoint/exports/step-{STEPS}")["model"] for run in ("run", "ref")))
 
 
-def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
+@pytest.fixture
+def skipped():
+    """The "skipping checkpoint" warnings logged while the test runs (whatever the root logger's handlers)."""
+    found: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage()) if "skipping" in record.getMessage() else None
+    logger = logging.getLogger("tessera")
+    logger.addHandler(handler)
+    yield found
+    logger.removeHandler(handler)
+
+
+def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys, skipped):
     from tessera.train import main
 
     dump = tmp_path / "run"
     run_train(["--job.dump_folder", str(dump), *CKPT, "--checkpoint.last_save_model_only=false"], 8)
     shard = dump / "checkpoint/step-8/__0_0.distcp"
+    written = os.path.getsize(shard)
     with open(shard, "r+b") as fh:
-        fh.truncate(os.path.getsize(shard) // 2)
+        fh.truncate(written // 2)
     code = main([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "8", "--checkpoint.load_step", "8"])
     assert code == 2 and f"step 8 at {dump}/checkpoint/step-8 is not usable: {shard} has" in capsys.readouterr().err
     with warnings.catch_warnings(record=True) as caught:
@@ -152,6 +165,12 @@ def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
         resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
     assert resumed["start"] == 4  # fell back past the truncated step 8, then saved step 8 afresh, not over it
     assert not [w for w in caught if "overwrit" in str(w.message)], [str(w.message) for w in caught]
+    skipped.clear()  # a whole launch (its pre-check, then the rank's look-up) says it once
+    assert main([*BASE, "--job.dump_folder", str(resume_copy(dump, tmp_path / "main", 8)), *CKPT,
+                 "--training.steps", "8"]) == 0
+    assert skipped == [f"skipping checkpoint step 8 ({tmp_path}/main/checkpoint/step-8/__0_0.distcp has "
+                       f"{written // 2} bytes, {written} were written); falling back "
+                       f"to an earlier one"], skipped
     os.remove(dump / "checkpoint/step-4/.metadata")
     assert run_train(["--job.dump_folder", str(dump), *CKPT], 2)["start"] == 0  # nothing intact is left
 
@@ -165,18 +184,6 @@ def _flip_middle(file, count: int = 256) -> None:
         fh.seek(size // 2)
         fh.write(bytes(b ^ 0xFF for b in data))
     assert os.path.getsize(file) == size
-
-
-@pytest.fixture
-def skipped():
-    """The "skipping checkpoint" warnings logged while the test runs (whatever the root logger's handlers)."""
-    found: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: found.append(record.getMessage()) if "skipping" in record.getMessage() else None
-    logger = logging.getLogger("tessera")
-    logger.addHandler(handler)
-    yield found
-    logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
