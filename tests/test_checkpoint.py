@@ -53,10 +53,11 @@ def global_batch_ids(argv: list[str], global_batch: int, steps: int) -> list[lis
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """A 2-rank FSDP run with checkpoints every 4 steps: the source of the resume tests below."""
+    """A 2-rank FSDP run with checkpoints every 4 steps, saved asynchronously (the torchrun tests save in step):
+    the source of the resume tests below."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT]],
-                       STEPS, mode="train")
+    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT,
+                                 "--checkpoint.async_mode", "async"]], STEPS, mode="train")
     return tmp / "run", res
 
 
