@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.checkpoint.folder import (
+    DIGEST,
     EXPORTS,
     MARKER,
     MODEL_RECORD,
@@ -115,10 +116,10 @@ def verify_shared(path: str, marker: dict) -> str | None:
     return problem
 
 
-def find_resume(cfg: JobConfig, damaged: set[str] | None = None) -> tuple[int, str, dict] | None:
+def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool = True) -> tuple[int, str, dict] | None:
     """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer), its content
-    checked: a damaged one is skipped with one warning naming the file (an explicit load_step is refused), and
-    its path added to `damaged`."""
+    checked (unless not `content`: its sizes only, for a look at its architecture): a damaged one is skipped with
+    one warning naming the file (an explicit load_step is refused), and its path added to `damaged`."""
     if not cfg.checkpoint.enable:
         return None
     root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
@@ -130,8 +131,11 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None) -> tuple[int, s
         if found is None:
             return None
         step, path, marker = found
-        problem = verify_shared(path, marker)
+        problem = verify_shared(path, marker) if content else None
         if problem is None:
+            if content and DIGEST not in marker and (not dist.is_initialized() or dist.get_rank() == 0):
+                log.info(f"checkpoint step {step} records no checksums (written before they existed): its files "
+                         f"were checked by size only")
             return found
         if load_step >= 0:
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
