@@ -23,8 +23,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tessera import architecture, models
+from tessera.checkpoint.folder import damage
 from tessera.checkpoint.hf import HFError, hf_folder, load_hf, save_hf
 from tessera.checkpoint.manager import write_marker, write_run_record
+from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, parse_args
 from tessera.dtypes import DTYPES
 
@@ -50,9 +52,16 @@ def _build(cfg, args):
     return model
 
 
+def _refuse_damaged(src: Path) -> None:
+    """A source Tessera wrote (it has a marker) is intact, its content checked against the marker's digests."""
+    if problem := damage(str(src)):
+        raise HFError(problem)
+
+
 def dcp_to_hf(src: Path, dst: Path, opts) -> None:
     if not (src / ".metadata").is_file():
         raise HFError(f"'{src}' is not a DCP checkpoint (no .metadata)")
+    _refuse_damaged(src)
     cfg = _config(src, opts)
     saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
     embedding = f"model.{models.family(cfg.model.name).embedding}"
@@ -79,6 +88,7 @@ def hf_to_dcp(src: Path, dst: Path, opts) -> None:
         raise HFError(f"no such folder '{src}'")
     cfg = _config(None, opts)
     hf_folder(src)
+    _refuse_damaged(src)
     try:
         args = dataclasses.replace(models.hf_args(cfg.model.name, str(src)), max_seq_len=cfg.training.seq_len)
     except ValueError as e:
@@ -94,12 +104,13 @@ def hf_to_dcp(src: Path, dst: Path, opts) -> None:
     if opts.dtype is not None:
         state = {k: v.to(opts.dtype) for k, v in state.items()}
     dst.mkdir(parents=True, exist_ok=True)
+    writer = HashingWriter(dst)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": state}, checkpoint_id=str(dst))
-    write_run_record(str(dst), cfg, args)
+        dcp.save({"model": state}, storage_writer=writer)
+    digests = {**writer.digests, **write_run_record(str(dst), cfg, args)}
     step = re.fullmatch(r"step-(\d+)", dst.name)
-    write_marker(str(dst), int(step.group(1)) if step else 0, "model")  # what the trainer's loader checks
+    write_marker(str(dst), int(step.group(1)) if step else 0, "model", digests)  # what the trainer's loader checks
 
 
 def dcp_to_torch(src: Path, dst: Path, opts) -> None:
@@ -107,6 +118,7 @@ def dcp_to_torch(src: Path, dst: Path, opts) -> None:
         raise HFError("--dtype applies to dcp-to-hf and hf-to-dcp only")
     if not (src / ".metadata").is_file():
         raise HFError(f"'{src}' is not a DCP checkpoint (no .metadata)")
+    _refuse_damaged(src)
     dcp_to_torch_save(str(src), str(dst))
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tessera import models
-from tessera.checkpoint.folder import read_model_record, read_saved_config, resume_point
+from tessera.checkpoint.folder import damage, read_model_record, read_saved_config, resume_point
 from tessera.checkpoint.hf import HFError, load_hf
 from tessera.config import ConfigError, parse_args
 from tessera.data.tokenizer import build_tokenizer
@@ -48,6 +48,8 @@ def _build(fam, args, device: torch.device) -> torch.nn.Module:
 def _checkpoint_folder(path: str) -> str:
     """A step folder as is; a dump folder or a checkpoint root: its newest complete checkpoint."""
     if os.path.isfile(os.path.join(path, ".metadata")):
+        if problem := damage(path):
+            raise ConfigError(f"checkpoint: {problem}")
         return path
     for root in (os.path.join(path, "checkpoint"), path):
         found = resume_point(root) if os.path.isdir(root) else None
@@ -89,6 +91,8 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     path, device = str(path), torch.device(device)
     hf = is_hf(path, hf)
     if hf:
+        if problem := damage(path):  # an export of Tessera's
+            raise HFError(problem)
         fam = hf_family(path)
         try:
             args = models.hf_args(fam.name, path)

@@ -210,7 +210,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     set_determinism(cfg)
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-    resume = find_resume(cfg)
+    damaged: set[str] = set()
+    resume = find_resume(cfg, damaged)
     args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
     spec = models.family(cfg.model.name).spec()
     if spec.data is None:  # a family with its own data has no vocabulary of the token loader's
@@ -237,7 +238,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
-                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args), tokenizer, grad_accum,
+                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args, damaged), tokenizer, grad_accum,
                  counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
                  spec.batch or token_batch, spec.extra_loss,
                  tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,

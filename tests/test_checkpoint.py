@@ -1,17 +1,20 @@
 """Checkpoints: exact and elastic resume, fault tolerance, corruption, async, retention, seed, exports."""
 
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 import zlib
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tessera.checkpoint.folder import DIGEST, digest_file
 from tessera.config import parse_args
 from tessera.data import build_dataloader, build_tokenizer
 from tests.dist_worker import BASE, run_train
@@ -80,15 +83,20 @@ def global_batch_ids(argv: list[str], global_batch: int, steps: int) -> list[lis
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """A 2-rank FSDP run with checkpoints every 4 steps: the source of the resume tests below."""
+    """A 2-rank FSDP run with checkpoints every 4 steps, saved asynchronously (the torchrun tests save in step):
+    the source of the resume tests below."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT]],
-                       STEPS, mode="train")
+    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT,
+                                 "--checkpoint.async_mode", "async"]], STEPS, mode="train")
     return tmp / "run", res
 
 
 def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_run):
     src, full = two_rank_run
+    step = src / "checkpoint/step-4"  # each rank's shard hashed as written, every digest gathered to rank 0
+    marker = json.loads((step / ".complete").read_text())
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "config.toml", "model.json"} == set(marker[DIGEST])
+    assert marker[DIGEST] == {name: digest_file(str(step / name)) for name in marker["files"]}
     same = ["--job.dump_folder", str(resume_copy(src, tmp_path / "r2", 4)), "--training.local_batch_size", "4", *CKPT]
     (exact,) = run_cases(2, tmp_path, [same], STEPS, mode="train")
     one = run_train(["--job.dump_folder", str(resume_copy(src, tmp_path / "r1", 4)),
@@ -156,24 +164,120 @@ def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
     again = _torchrun_train(tmp_path / "run")
     out = again.stdout.read()
     assert again.wait(timeout=300) == 0, out[-3000:]
-    assert "skipping checkpoint step 9" in out and "resumed from checkpoint step 6" in out
+    assert out.count("skipping checkpoint step 9") == 1 and "resumed from checkpoint step 6" in out  # rank 0 alone
     _params_equal(*(_export(tmp_path / f"{run}/checkpoint/exports/step-{STEPS}")["model"] for run in ("run", "ref")))
 
 
-def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys):
+@pytest.fixture
+def skipped():
+    """The "skipping checkpoint" warnings logged while the test runs (whatever the root logger's handlers)."""
+    found: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage()) if "skipping" in record.getMessage() else None
+    logger = logging.getLogger("tessera")
+    logger.addHandler(handler)
+    yield found
+    logger.removeHandler(handler)
+
+
+def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys, skipped):
     from tessera.train import main
 
     dump = tmp_path / "run"
     run_train(["--job.dump_folder", str(dump), *CKPT, "--checkpoint.last_save_model_only=false"], 8)
     shard = dump / "checkpoint/step-8/__0_0.distcp"
+    written = os.path.getsize(shard)
     with open(shard, "r+b") as fh:
-        fh.truncate(os.path.getsize(shard) // 2)
+        fh.truncate(written // 2)
     code = main([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "8", "--checkpoint.load_step", "8"])
     assert code == 2 and f"step 8 at {dump}/checkpoint/step-8 is not usable: {shard} has" in capsys.readouterr().err
-    resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
-    assert resumed["start"] == 4  # fell back past the truncated step 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
+    assert resumed["start"] == 4  # fell back past the truncated step 8, then saved step 8 afresh, not over it
+    assert not [w for w in caught if "overwrit" in str(w.message)], [str(w.message) for w in caught]
+    skipped.clear()  # a whole launch (its pre-check, then the rank's look-up) says it once
+    assert main([*BASE, "--job.dump_folder", str(resume_copy(dump, tmp_path / "main", 8)), *CKPT,
+                 "--training.steps", "8"]) == 0
+    assert skipped == [f"skipping checkpoint step 8 ({tmp_path}/main/checkpoint/step-8/__0_0.distcp has "
+                       f"{written // 2} bytes, {written} were written); falling back "
+                       f"to an earlier one"], skipped
     os.remove(dump / "checkpoint/step-4/.metadata")
     assert run_train(["--job.dump_folder", str(dump), *CKPT], 2)["start"] == 0  # nothing intact is left
+
+
+def _flip_middle(file, count: int = 256) -> None:
+    """Damage a file in place: `count` bytes in its middle inverted, its size unchanged."""
+    size = os.path.getsize(file)
+    with open(file, "r+b") as fh:
+        fh.seek(size // 2)
+        data = fh.read(count)
+        fh.seek(size // 2)
+        fh.write(bytes(b ^ 0xFF for b in data))
+    assert os.path.getsize(file) == size
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_damaged_in_place_falls_back_and_keep_latest_k_keeps_the_good_one(tmp_path, skipped, capsys, mode):
+    from tessera.train import main
+
+    saves = [*CKPT, "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only=false"]
+    ref = run_train(["--job.dump_folder", str(tmp_path / "ref"), *saves, "--checkpoint.interval", "2"], 6)
+    dump = resume_copy(tmp_path / "ref", tmp_path / "run", 4)  # steps 2 and 4, as if the run had stopped there
+    step4 = dump / "checkpoint/step-4"
+    marker = json.loads((step4 / ".complete").read_text())
+    assert marker[DIGEST] == {name: digest_file(str(step4 / name)) for name in marker["files"]}  # as written
+    shard = step4 / "__0_0.distcp"
+    _flip_middle(shard)
+    # Saves at 3 and 6 keeping 2: the damaged step 4 must neither be resumed nor count among the 2 kept.
+    resumed = run_train(["--job.dump_folder", str(dump), *saves, "--checkpoint.keep_latest_k", "2",
+                         "--checkpoint.interval", "3"], 6)
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipping checkpoint step 4 ({shard} changed after it was "
+                                                       f"written (its {DIGEST} is "), skipped
+    assert resumed["start"] == 2  # the previous verified checkpoint
+    assert [resumed["losses"][s] for s in range(3, 7)] == [ref["losses"][s] for s in range(3, 7)]  # good weights
+    assert sorted(os.listdir(dump / "checkpoint")) == ["step-3", "step-6"]
+    if mode == "disabled":  # an explicit load_step of the damaged one is refused, in one line
+        _flip_middle(tmp_path / "ref/checkpoint/step-4/__0_0.distcp")
+        code = main([*BASE, "--job.dump_folder", str(tmp_path / "ref"), *CKPT, "--training.steps", "6",
+                     "--checkpoint.load_step", "4"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(
+            f"tessera: checkpoint.load_step: step 4 at {tmp_path}/ref/checkpoint/step-4 is not usable: "
+            f"{tmp_path}/ref/checkpoint/step-4/__0_0.distcp changed after it was written"), err
+
+
+def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skipped):
+    from tessera import convert
+    from tessera.generate import from_pretrained
+    from tessera.train import main
+
+    run_train(["--job.dump_folder", str(tmp_path / "run"), *CKPT], 2)  # the final save exports the model too
+    export = tmp_path / "run/checkpoint/exports/step-2"
+    assert set(json.loads((export / ".complete").read_text())[DIGEST]) >= {"__0_0.distcp", ".metadata"}
+    old = export.parent / "old"  # a marker of sizes alone, as written before checksums: loads, checked by size
+    shutil.copytree(export, old)
+    marker = json.loads((old / ".complete").read_text())
+    (old / ".complete").write_text(json.dumps({k: v for k, v in marker.items() if k != DIGEST}))
+    assert from_pretrained(old)[0] is not None
+    _flip_middle(export / "__0_0.distcp")
+    named = f"'{export}' is damaged: {export}/__0_0.distcp changed after it was written"
+    with pytest.raises(SystemExit, match="2"):
+        convert.main(["dcp-to-torch", str(export), str(tmp_path / "out.pt")])
+    assert named in capsys.readouterr().err and not (tmp_path / "out.pt").exists()
+    with pytest.raises(Exception, match=named):
+        from_pretrained(export)
+    code = main([*BASE, "--job.dump_folder", str(tmp_path / "from_export"), "--checkpoint.enable",
+                 "--checkpoint.initial_load_path", str(export), "--training.steps", "2"])
+    assert code == 2 and f"checkpoint.initial_load_path: {named}" in capsys.readouterr().err
+    seed = tmp_path / "seed"
+    assert main([*BASE, "--job.dump_folder", str(seed), "--checkpoint.enable",
+                 "--checkpoint.create_seed_checkpoint"]) == 0
+    assert DIGEST in json.loads((seed / "checkpoint/step-0/.complete").read_text())
+    _flip_middle(seed / "checkpoint/step-0/__0_0.distcp")
+    assert run_train(["--job.dump_folder", str(seed), "--checkpoint.enable"], 2)["start"] == 0
+    assert len(skipped) == 1 and skipped[0].startswith(
+        f"skipping checkpoint step 0 ({seed}/checkpoint/step-0/__0_0.distcp changed after it was written")
 
 
 def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):

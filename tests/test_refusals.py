@@ -171,7 +171,7 @@ def test_an_empty_flavor_resumes_the_checkpoints_architecture(tmp_path):
     assert more["start"] == 4 and more["params"]["tok_embeddings.weight"].shape == (258, 64)
 
 
-def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, capsys):
+def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, capsys, monkeypatch):
     from tessera.checkpoint.manager import probe_writable
     from tessera.config import ConfigError
 
@@ -181,6 +181,14 @@ def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, ca
     assert f"job.dump_folder: '{blocker}' is a file" in capsys.readouterr().err
     assert _main("--job.dump_folder", str(tmp_path / "ok"), *CKPT, "--checkpoint.folder", "a/../../a_file/x") == 2
     assert "checkpoint.folder:" in capsys.readouterr().err
+    assert _main("--job.dump_folder", str(tmp_path / "ok"), *CKPT, "--checkpoint.folder", "../x") == 2
+    assert capsys.readouterr().err.strip() == ("tessera: checkpoint.folder: '../x' leads out of job.dump_folder; name "
+                                               "a folder inside it, or an absolute path for checkpoints kept elsewhere")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "ok").exists()
+    # Permission bits say yes to root everywhere; creating a file is what tells. (As any user: os.access says yes.)
+    monkeypatch.setattr(os, "access", lambda *a, **kw: True)
+    assert _main("--job.dump_folder", "/proc/tessera-run") == 2
+    assert capsys.readouterr().err.startswith("tessera: job.dump_folder: '/proc' is not writable (")
     with pytest.raises(ConfigError, match="GiB free, but one checkpoint of this model needs about"):
         probe_writable(str(tmp_path / "room"), need_bytes=2**62)
 

@@ -28,17 +28,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.checkpoint.folder import (
+    DIGEST,
     EXPORTS,
     MARKER,
     MODEL_RECORD,
     CorruptCheckpoint,
     read_marker,
     resume_point,
+    skip_message,
     step_folders,
     verify,
+    warn_once,
+    write_hashed,
     write_marker,
 )
 from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
+from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
@@ -51,12 +56,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 __all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "read_marker", "step_folders", "verify", "write_marker"]
 
 
-def write_run_record(folder: str, cfg: JobConfig, args) -> None:
-    """`config.toml` and `model.json` (the architecture, which a flavor left empty does not name) in `folder`."""
-    with open(os.path.join(folder, "config.toml"), "w") as fh:
-        fh.write(to_toml(cfg))
-    with open(os.path.join(folder, MODEL_RECORD), "w") as fh:
-        json.dump(args_to_json(cfg.model.name, args), fh, indent=1)
+def write_run_record(folder: str, cfg: JobConfig, args) -> dict[str, str]:
+    """`config.toml` and `model.json` (the architecture, which a flavor left empty does not name) in `folder`;
+    their digests."""
+    return {"config.toml": write_hashed(os.path.join(folder, "config.toml"), to_toml(cfg)),
+            MODEL_RECORD: write_hashed(os.path.join(folder, MODEL_RECORD),
+                                       json.dumps(args_to_json(cfg.model.name, args), indent=1))}
 
 
 def probe_writable(folder: str, need_bytes: int = 0) -> None:
@@ -92,21 +97,56 @@ def check_shapes(path: str, model_state: dict) -> None:
                               f"own model settings or pick another job.dump_folder")
 
 
-def find_resume(cfg: JobConfig) -> tuple[int, str, dict] | None:
-    """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer)."""
+def verify_shared(path: str, marker: dict) -> str | None:
+    """The content check of a checkpoint (every file against its digest), its files dealt out among the ranks so
+    each is read once; the first problem found, the same on every rank, or None."""
+    names = sorted(marker["files"], key=lambda n: (-marker["files"][n], n))  # the big ones first, round-robin
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        verify(path, marker, names=set(names[rank::world]))
+        problem = None
+    except CorruptCheckpoint as e:
+        problem = str(e)
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
+    return problem
+
+
+def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool = True) -> tuple[int, str, dict] | None:
+    """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer), its content
+    checked (unless not `content`: its sizes only, for a look at its architecture): a damaged one is skipped with
+    one warning naming the file (an explicit load_step is refused), and its path added to `damaged`."""
     if not cfg.checkpoint.enable:
         return None
-    try:
-        return on_rank0(lambda: resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                             cfg.checkpoint.load_step))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
+    while True:
+        try:
+            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if found is None:
+            return None
+        step, path, marker = found
+        problem = verify_shared(path, marker) if content else None
+        if problem is None:
+            if content and DIGEST not in marker and (not dist.is_initialized() or dist.get_rank() == 0):
+                log.info(f"checkpoint step {step} records no checksums (written before they existed): its files "
+                         f"were checked by size only")
+            return found
+        if load_step >= 0:
+            raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
+        warn_once(skip_message(step, problem))
+        skipped.append(step)
+        if damaged is not None:
+            damaged.add(path)
 
 
 class Checkpointer:
     """Saves at intervals and at the end, resumes at start. One per run; rank 0 writes markers and purges."""
 
-    def __init__(self, cfg: JobConfig, rank: int, model_args):
+    def __init__(self, cfg: JobConfig, rank: int, model_args, damaged: set[str] | None = None):
         self.cfg, self.c, self.rank, self.model_args = cfg, cfg.checkpoint, rank, model_args
         self.root = os.path.join(cfg.job.dump_folder, self.c.folder)
         self.distributed = dist.is_initialized()
@@ -114,6 +154,8 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo") if self.distributed and self.c.async_mode != "disabled" else None
         self.pending: Future | None = None
         self.stall_s = 0.0  # training time lost to saving since the last report
+        self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
+        self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, tr, model_only: bool, dtype: torch.dtype | None = None) -> dict:
@@ -144,14 +186,15 @@ class Checkpointer:
         """A full checkpoint (synchronous at the end of the run), then, at the end, the exports asked for."""
         start = time.perf_counter()
         self.wait()  # a new save never races one still in flight
-        path = os.path.join(self.root, f"step-{tr.step}")
-        state = self._state(tr, model_only=False)
+        path = self._fresh_folder(os.path.join(self.root, f"step-{tr.step}"))
+        state, writer = self._state(tr, model_only=False), HashingWriter(path)
         if self.c.async_mode != "disabled" and not last:
-            self.pending = self._async_save(state, path)
-            self.pending.add_done_callback(lambda f, p=path, s=tr.step: f.exception() or self._finish(p, s, "full"))
+            self.pending = self._async_save(state, writer)
+            self.pending.add_done_callback(
+                lambda f, p=path, s=tr.step: f.exception() or self._finish(p, s, "full", writer.digests))
         else:
-            dcp.save(state, checkpoint_id=path, process_group=self.pg)
-            self._finish(path, tr.step, "full")
+            dcp.save(state, storage_writer=writer, process_group=self.pg)
+            self._finish(path, tr.step, "full", writer.digests)
         stall = time.perf_counter() - start
         self.stall_s += stall
         log.info(f"checkpoint step {tr.step} {'queued' if self.pending else 'saved'} to {path} "
@@ -161,55 +204,72 @@ class Checkpointer:
 
     def export(self, tr) -> str:
         """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
-        path = os.path.join(self.root, EXPORTS, f"step-{tr.step}")
+        path = self._fresh_folder(os.path.join(self.root, EXPORTS, f"step-{tr.step}"))
         dtype = DTYPES[self.c.export_dtype]
+        digests = {}  # the HF writer's files (merged by rank 0 from every rank's shards) are read back instead
         if self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
             save_hf(model_state(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,
                     bos_id=tr.tokenizer.bos_id, eos_id=tr.tokenizer.eos_id)
             kind = "hf"
         else:
-            dcp.save(self._state(tr, model_only=True, dtype=dtype), checkpoint_id=path, process_group=self.pg)
-            kind = "model"
+            writer = HashingWriter(path)
+            dcp.save(self._state(tr, model_only=True, dtype=dtype), storage_writer=writer, process_group=self.pg)
+            digests, kind = writer.digests, "model"
         if self.rank == 0:
-            write_run_record(path, self.cfg, tr.model_args)
-            write_marker(path, tr.step, kind)
+            write_marker(path, tr.step, kind, {**digests, **write_run_record(path, self.cfg, tr.model_args)})
         log.info(f"exported the model ({'Hugging Face' if kind == 'hf' else 'DCP'}, {self.c.export_dtype}) to {path}")
         return path
 
     def save_seed(self, tr) -> None:
         """Step 0, model only, fp32: the common starting point of every layout."""
-        path = os.path.join(self.root, "step-0")
-        dcp.save({"model": model_state(tr.model)}, checkpoint_id=path)
-        self._finish(path, 0, "model", tr.model_args)
+        path = self._fresh_folder(os.path.join(self.root, "step-0"))
+        writer = HashingWriter(path)
+        dcp.save({"model": model_state(tr.model)}, storage_writer=writer)
+        self._finish(path, 0, "model", writer.digests, tr.model_args)
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
-    def _async_save(self, state: dict, path: str) -> Future:
-        stager = None
-        if self.c.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False))
-        resp = dcp.async_save(state, checkpoint_id=path, process_group=self.pg, async_stager=stager)
-        return resp if isinstance(resp, Future) else resp.upload_completion
+    def _fresh_folder(self, path: str) -> str:
+        """`path`, emptied of an earlier save's files (interrupted, damaged, or of a run resumed from an older
+        step) before any rank writes: they would be listed with this one's; the broadcast orders it first."""
+        on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
+        self.damaged.discard(path)
+        return path
 
-    def _finish(self, path: str, step: int, kind: str, args=None) -> None:
-        """Runs once DCP has returned, i.e. every rank has written and the metadata exists."""
+    def _async_save(self, state: dict, writer: HashingWriter) -> Future:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # The writer is a (blocking) stager too, which DCP would use; name the stager DCP uses for a path.
+        pinned = self.c.async_mode == "async_with_pinned_mem"
+        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False) if pinned
+                               else StagingOptions(False, False, False, False))
+        resp = dcp.async_save(state, storage_writer=writer, process_group=self.pg, async_stager=stager)
+        upload = resp if isinstance(resp, Future) else resp.upload_completion
+        upload.add_done_callback(lambda _: stager.close())
+        return upload
+
+    def _finish(self, path: str, step: int, kind: str, digests: dict, args=None) -> None:
+        """Runs once DCP has returned, i.e. every rank has written and the metadata exists. `digests`: the DCP
+        files', computed as they were written (on rank 0, DCP's coordinator)."""
         if self.rank != 0:
             return
-        write_run_record(path, self.cfg, args if args is not None else self.model_args)
+        records = write_run_record(path, self.cfg, args if args is not None else self.model_args)
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
-        write_marker(path, step, kind)
+        write_marker(path, step, kind, {**digests, **records})
+        self.verified.add(path)
         self._purge(step)
 
     def _purge(self, newest: int) -> None:
         """Keep the newest keep_latest_k complete checkpoints, the newest full one always among them; drop older
-        ones and older interrupted saves. Exports are the user's and stay."""
+        ones, older interrupted saves and older ones found damaged. Exports are the user's and stay."""
         folders = step_folders(self.root)
         markers = {path: read_marker(path) for _, path in folders}
-        complete = [path for _, path in folders if markers[path] is not None]
+        complete = [path for _, path in folders if markers[path] is not None and path not in self.damaged]
         keep = set(complete[: self.c.keep_latest_k] if self.c.keep_latest_k else complete)
-        keep |= set([path for path in complete if markers[path].get("kind") == "full"][:1])
+        full = [path for path in complete if markers[path].get("kind") == "full"]
+        # The newest full one, and the newest this run knows intact (saved or content-checked at resume): a newer
+        # one may have been damaged in place since it was written.
+        keep |= set(full[:1] + [path for path in full if path in self.verified][:1])
         for step, path in folders:
             if step < newest and path not in keep:  # newer folders may still be in flight
                 shutil.rmtree(path, ignore_errors=True)
@@ -224,7 +284,8 @@ class Checkpointer:
         """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
         initial_load_path; else leave the fresh model."""
         if resume is not None:
-            step, path, marker = resume
+            step, path, marker = resume  # content-checked by find_resume
+            self.verified.add(path)
             full = marker["kind"] == "full"
             self._load(tr, path, model_only=not full)
             log.info(f"resumed from checkpoint step {step} at {path}" if full else
@@ -240,6 +301,10 @@ class Checkpointer:
         else:
             if not os.path.isfile(os.path.join(path, ".metadata")):
                 raise ConfigError(f"checkpoint.initial_load_path: '{path}' is not a DCP checkpoint (no .metadata)")
+            marker = on_rank0(lambda: read_marker(path))
+            if marker is not None and (problem := verify_shared(path, marker)):
+                raise ConfigError(f"checkpoint.initial_load_path: '{path}' is damaged: {problem}; pick another "
+                                  f"checkpoint")
             self._load(tr, path, model_only=self.c.initial_load_model_only)
         log.info(f"initialized from {path}{' (Hugging Face)' if self.c.initial_load_in_hf else ''}")
 

@@ -194,7 +194,8 @@ class Profiling:
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save and auto-resume DCP checkpoints")
-    folder: str = opt("checkpoint", "checkpoint folder inside dump_folder")
+    folder: str = opt("checkpoint", "checkpoint folder inside dump_folder (or an absolute path: checkpoints kept "
+                                    "elsewhere)")
     interval: int = opt(500, "save every N steps", min=1)
     keep_latest_k: int = opt(10, "keep this many complete checkpoints; 0 = keep all", min=0)
     async_mode: str = opt("disabled", "overlap saves with training",

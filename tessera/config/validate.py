@@ -5,6 +5,7 @@ import glob
 import json
 import logging
 import os
+import tempfile
 
 from tessera import architecture
 from tessera.checkpoint.folder import read_saved_config, resume_point
@@ -84,9 +85,12 @@ def _writable_folder(key: str, path: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ConfigError(f"{key}: '{probe}' is a file, so the folder '{path}' cannot be made; pick another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: '{probe}' is not writable by this user, so '{path}' cannot be written; pick a "
-                          f"writable path")
+    try:  # by creating a file: permission bits say yes to root everywhere, /proc and read-only mounts included
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".tessera-write-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: '{probe}' is not writable ({e.strerror or e}), so '{path}' cannot be written; "
+                          f"pick a writable path") from None
 
 
 def _check_folders(cfg: JobConfig) -> None:
@@ -96,6 +100,10 @@ def _check_folders(cfg: JobConfig) -> None:
     if cfg.checkpoint.enable:
         if not cfg.checkpoint.folder.strip():
             raise ConfigError("checkpoint.folder: empty; name a folder inside job.dump_folder, e.g. 'checkpoint'")
+        folder = cfg.checkpoint.folder
+        if not os.path.isabs(folder) and os.path.normpath(folder).split(os.sep)[0] == os.pardir:
+            raise ConfigError(f"checkpoint.folder: '{folder}' leads out of job.dump_folder; name a folder inside it, "
+                              f"or an absolute path for checkpoints kept elsewhere")
         _writable_folder("checkpoint.folder", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
 
 
@@ -105,7 +113,9 @@ def _check_resume(cfg: JobConfig):
     resume = None
     if cfg.checkpoint.enable:
         try:
-            resume = resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step)
+            # Sizes only, and quietly: the ranks check the content (each reads a share) and say what they skip.
+            resume = resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step,
+                                  content=False, report=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if resume is not None and resume[2].get("kind") == "full":

@@ -111,7 +111,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
                           f"models ({', '.join(n for n in models.FAMILIES if n != cfg.model.name)})")
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     takes_vocab = has_tokenizer or cfg.model.flavor in fam.takes_tokenizer_vocab or not cfg.model.flavor
-    resume = find_resume(cfg)
+    resume = find_resume(cfg, content=False)  # the architecture it holds is all that is read
     args = architecture.resolve(cfg, tokenizer.vocab_size if takes_vocab else None, resume[1] if resume else None)
     t = cfg.training
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
