@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import smoke_option, write_json  # noqa: E402
 
 
 def worker(a) -> None:
@@ -78,6 +80,7 @@ def main() -> None:
     p.add_argument("--degrees", default="1,2,4")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/cp.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    smoke_option(p, flavor="tiny", seq_len=128, steps=1, degrees="1,2")
     a = p.parse_args()
     if a.worker:
         return worker(a)
@@ -90,8 +93,7 @@ def main() -> None:
         r["speedup"], r["memory_ratio"] = base["step_s"] / r["step_s"], r["live_gib"] / base["live_gib"]
         print(f"{r['cp']:>3} {r['step_s']:>8.2f} {r['speedup']:>8.2f}x {r['live_gib']:>21.3f} "
               f"{r['memory_ratio']:>7.2f}x {r['peak_gib']:>17.3f}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"flavor": a.flavor, "seq_len": a.seq_len, "results": results}, indent=2))
+    write_json(a.out, {"flavor": a.flavor, "seq_len": a.seq_len, "results": results})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402, I001
+from common import RESULTS, smoke_option, write_json  # noqa: E402, I001
 from tessera.data import TokenLoader, build_tokenizer, documents  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def train_tokenizer(folder: Path, vocab: int, n_docs: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     docs = documents("stdlib", "", "text", "train", 0, 0)
     tok.train_from_iterator((text for _, text in zip(range(n_docs), docs, strict=False)), trainer)
     tok.save(str(folder / "tokenizer.json"))
@@ -48,6 +48,10 @@ def paragraphs(split: str, seed: int, epoch: int) -> Iterator[str]:
     rather than whole source files."""
     for text in documents("stdlib", "", "text", split, seed, epoch):
         yield from (part for part in text.split("\n\n") if part.strip())
+
+
+# --smoke (this and bench_prepared.py): short windows, a small vocabulary, few batches
+SMOKE = dict(seq_len=128, local_batch_size=2, warmup=1, steps=2, degrees="1,2", vocab=512, train_docs=20)
 
 
 def loader_options(doc: str, warmup: int, steps: int, degrees: str) -> argparse.ArgumentParser:
@@ -66,6 +70,7 @@ def loader_options(doc: str, warmup: int, steps: int, degrees: str) -> argparse.
 def main() -> None:
     p = loader_options(__doc__, 16, 32, "1,2,4,8")
     p.add_argument("--out", default=str(RESULTS / "data.json"))
+    smoke_option(p, **SMOKE)
     a = p.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:

@@ -19,10 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402, I001
-    AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, paired_ratio, sync_for, tessera_argv, write_json,
+    AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, paired_ratio, smoke_option, sync_for, tessera_argv,
+    write_json,
 )
 from tessera.metrics import PeakLiveBytes  # noqa: E402
-from tessera.train import forward_backward, next_batch, train_step  # noqa: E402
+from tessera.train import forward_backward, train_step  # noqa: E402
 
 
 def compare(a, variants: dict[str, list[str]], seq_len: int, batch: int, rounds: int, warmup: int, steps: int):
@@ -36,7 +37,7 @@ def compare(a, variants: dict[str, list[str]], seq_len: int, batch: int, rounds:
 
 def activation_bytes(tr) -> int:
     """Peak bytes one forward + backward adds: the allocator's on GPU, live op outputs on CPU (deterministic)."""
-    inputs, labels = next_batch(tr, tr.loader)
+    inputs, labels = tr.batch_fn(tr, tr.loader)  # the trainer's own next micro-batch
     if tr.world.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -120,6 +121,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (CPU)")
     p.add_argument("--out", default=str(RESULTS / "features.json"))
+    smoke_option(p, flavor="tiny", seq_len=32, local_batch_size=2, ac_seq_len=64, ac_batch=2, steps=2, warmup=1,
+                 rounds=1, float8_steps=2)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     benches = {"compile": bench_compile, "ac": bench_ac, "float8": bench_float8}

@@ -23,6 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import smoke_option, write_json  # noqa: E402
+
 # The backends' own spans of an all-to-all: from its start to the data being there (the wait on peers included).
 A2A_EVENTS = ("gloo:all_to_all", "nccl:all_to_all")
 
@@ -122,6 +125,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/moe.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker_ep", type=int, default=1, help=argparse.SUPPRESS)
+    smoke_option(p, tokens=128, rounds=1, ep="2", seq_len=64, steps=1)
     a = p.parse_args()
     if a.worker:
         return worker(a)
@@ -135,8 +139,7 @@ def main() -> None:
         print(f"EP {degree} on {degree} ranks (debugmodel_moe, 2 x {a.seq_len} tokens per rank): step "
               f"{row['ep_step_s']:.3f} s, all-to-all {row['dispatch_share']:.1%} of it; FSDP {degree} without EP "
               f"{row['fsdp_step_s']:.3f} s (EP speed / FSDP speed {row['ep_over_fsdp_speed']:.2f}x)")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

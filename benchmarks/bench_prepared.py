@@ -16,6 +16,7 @@ and a byte-level BPE tokenizer is trained on it. Then:
    tokenizing its streams' share), the prepared one the tokens of its own windows.
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -25,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import loader_options, paragraphs, train_tokenizer  # noqa: E402, I001
-from common import RESULTS, write_json  # noqa: E402
+from bench_data import SMOKE, loader_options, paragraphs, train_tokenizer  # noqa: E402, I001
+from common import RESULTS, smoke_option, write_json  # noqa: E402
 from tessera.data import TokenLoader, build_tokenizer, documents, prepare  # noqa: E402
 from tessera.data.prepared import build_prepared_loader  # noqa: E402
 from tessera.config import parse_args  # noqa: E402
@@ -59,6 +60,11 @@ def timed_prepare(corpus: Path, out: Path, tokenizer: str, workers: int, pieces:
             "tokens_per_cpu_second": tokens / cpu}
 
 
+def ratio(num: float, den: float) -> float:
+    """num / den, NaN when nothing was read (a short run whose documents were all read before the timed steps)."""
+    return num / den if den else float("nan")
+
+
 def measure(loaders: dict, counters: dict, warmup: int, steps: int) -> tuple[dict, dict]:
     """Mean ms per next_batch and MiB read per step of each loader, taking turns batch by batch; `counters[name]`
     has the bytes that loader read so far in .bytes_read."""
@@ -81,7 +87,9 @@ def measure(loaders: dict, counters: dict, warmup: int, steps: int) -> tuple[dic
 def main() -> None:
     p = loader_options(__doc__, 4, 16, "1,8,64")
     p.add_argument("--workers", default="1,2", help="prepare runs, one per worker count")
+    p.add_argument("--corpus_docs", type=int, default=0, help="documents of the corpus written (0: all)")
     p.add_argument("--out", default=str(RESULTS / "prepared.json"))
+    smoke_option(p, **SMOKE | {"degrees": "1,8", "workers": "1", "corpus_docs": 200})
     a = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +97,7 @@ def main() -> None:
         train_tokenizer(tmp, a.vocab, a.train_docs)
         corpus = tmp / "corpus.jsonl"
         with open(corpus, "w") as fh:
-            for text in paragraphs("train", 0, 0):
+            for text in itertools.islice(paragraphs("train", 0, 0), a.corpus_docs or None):
                 fh.write(json.dumps({"text": text}) + "\n")
         print(f"corpus: {corpus.stat().st_size / 2 ** 20:.1f} MiB of .jsonl; BPE vocab "
               f"{build_tokenizer(str(tmp)).vocab_size}")
@@ -124,7 +132,7 @@ def main() -> None:
             res["loaders"].append(row)
             print(f" {degree:>3} {ms['streaming']:>18.2f} {ms['prepared']:>9.2f} "
                   f"{ms['prepared'] / ms['streaming']:>7.3f}   {mib['streaming']:>24.2f} {mib['prepared']:>9.3f} "
-                  f"{mib['prepared'] / mib['streaming']:>7.4f}")
+                  f"{ratio(mib['prepared'], mib['streaming']):>7.4f}")
     print("ratio: prepared / streaming. A prepared rank reads local_batch_size x (seq_len + 1) tokens a step, "
           "whatever the DP degree")
     res["cpu_count"] = os.cpu_count()

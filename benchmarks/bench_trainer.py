@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402, I001
-    COMPILE, RESULTS, ROOT, alternate, child_env, gemm_setup, make_trainer, paired_ratio, sync_for, tessera_argv,
-    write_json,
+    COMPILE, RESULTS, ROOT, alternate, child_env, gemm_setup, make_trainer, paired_ratio, smoke_option, sync_for,
+    tessera_argv, write_json,
 )
 from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
 from tessera.metrics import measure_gemm_peak  # noqa: E402
@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also run the trainer with compile.enable in the rounds")
     p.add_argument("--fsdp", action="store_true", help="also measure 2-rank FSDP scaling with torchrun")
     p.add_argument("--out", default=str(RESULTS / "trainer.json"))
+    # (compilation's smoke is bench_features.py's: the same trainer flag)
+    smoke_option(p, flavor="tiny", seq_len=32, local_batch_size=2, steps=2, warmup=1, rounds=1, fsdp=True)
     a = p.parse_args()
 
     torch.set_num_threads(a.threads)

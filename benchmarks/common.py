@@ -1,5 +1,6 @@
 """What the benchmarks share: trainer flags, a one-process trainer, alternating timed rounds, JSON out."""
 
+import argparse
 import atexit
 import json
 import os
@@ -37,6 +38,17 @@ AC = {"none": [], "full": ["--activation_checkpoint.mode", "full"],
       "selective_op": ["--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]}
 FLOAT8 = ["--model.converters", "quantize.linear.float8"]
+
+
+def smoke_option(p: argparse.ArgumentParser, **tiny) -> None:
+    """Adds --smoke: the defaults become `tiny` (small sizes, a few steps) and the JSON goes to a temporary file;
+    options given explicitly still win. It checks that the script runs end to end (tests/test_benchmarks.py runs
+    every script so); its numbers mean nothing."""
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and a few steps, JSON to a temporary file: checks that the script runs")
+    if "--smoke" in sys.argv[1:]:
+        out = Path(tempfile.gettempdir(), "tessera-smoke", Path(sys.argv[0]).stem + ".json")
+        p.set_defaults(**{"out": str(out), **tiny})
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -133,7 +145,10 @@ def paired_ratio(out: dict, faster: str, slower: str) -> float:
     return statistics.median(s / f for f, s in zip(out[faster]["step_s"], out[slower]["step_s"], strict=True))
 
 
-def write_json(path: str | Path, result: dict) -> None:
+def write_json(path: str | Path, result: dict, quiet: bool = False) -> None:
+    """`result` as JSON, marked `"smoke": true` under --smoke (summary.py then judges nothing)."""
+    result = {**result, "smoke": "--smoke" in sys.argv[1:]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
-    print(f"  -> {path}")
+    if not quiet:
+        print(f"  -> {path}")

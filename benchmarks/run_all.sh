@@ -3,10 +3,22 @@
 # JSON lands in benchmarks/results/ (or $OUT): trainer.json, features.json, cp.json, data.json, prepared.json,
 # moe.json, summary.json.
 # The sizes below trade time for noise; each script's --help lists its options.
+#   benchmarks/run_all.sh --smoke   (or SMOKE=1): every script with --smoke (tiny sizes, a few steps), JSON in a
+#   temporary folder unless $OUT is set: checks that the suite runs (about a minute), measures nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; fi
+if [[ "${SMOKE:-0}" == 1 ]]; then
+    OUT=${OUT:-$(mktemp -d -t tessera-smoke-XXXXXX)}
+    for script in trainer features cp data prepared moe; do
+        echo "== bench_$script.py --smoke"
+        $PY benchmarks/bench_$script.py --smoke --out "$OUT/$script.json"
+    done
+    $PY benchmarks/summary.py --results "$OUT"
+    exit
+fi
 OUT=${OUT:-benchmarks/results}
 rm -f "$OUT"/trainer.json "$OUT"/features.json "$OUT"/cp.json "$OUT"/data.json "$OUT"/moe.json "$OUT"/summary.json \
     "$OUT"/prepared.json

@@ -32,7 +32,7 @@ def data_row(doc: dict, degree: int):
 def prepared_row(doc: dict, degree: int, what: str):
     """prepared / streaming loader's `what` (ms_per_step, mib_read_per_step) at DP `degree`."""
     row = next((r for r in (doc or {}).get("loaders", []) if r["dp"] == degree), None)
-    return row and row[f"{what}_prepared"] / row[f"{what}_streaming"]
+    return row and row[f"{what}_streaming"] and row[f"{what}_prepared"] / row[f"{what}_streaming"]
 
 
 def ep_row(doc: dict, ranks: int, key: str):
@@ -96,12 +96,14 @@ def main() -> None:
     docs = [json.loads(path.read_text()) if path.exists() else {}
             for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json",
                                                       "moe.json", "prepared.json"))]
-    table = []
+    table, smoke = [], any(doc.get("smoke") for doc in docs)
+    if smoke:
+        print("\nsmoke run (--smoke: tiny sizes, a few steps): the numbers mean nothing, no target is judged")
     print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
     for what, value, fmt, target, check in rows(*docs):
         if value is None:
             continue
-        ok = "" if check is None else ("yes" if check(value) else "NO")
+        ok = "" if check is None or smoke else ("yes" if check(value) else "NO")
         table.append({"measure": what, "value": value, "target": target, "ok": ok})
         print(f"{what:<46} {value:>9{fmt}}  {target:<22} {ok}")
     Path(a.results, "summary.json").write_text(json.dumps(table, indent=2))

@@ -1,0 +1,73 @@
+"""Every benchmark script runs end to end in its smoke mode (`--smoke`: tiny sizes, a few steps), so a refactor that
+breaks one fails here rather than in the next benchmark run (issue 27, item 9). Scripts are found by glob: a new
+`benchmarks/bench_*.py` or `check_*.py` is covered by adding its `--smoke`. GPU scripts run their pipeline on CPU
+in smoke mode (a tiny model in fp32, no compilation)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted([*ROOT.glob("benchmarks/bench_*.py"), *ROOT.glob("benchmarks/check_*.py")])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_benchmark_runs_in_smoke_mode_and_writes_its_json(script, tmp_path):
+    out = tmp_path / f"{script.stem}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # each script starts its own cold cache
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{script.name} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    assert result and result.get("smoke", True) is True, result
+
+
+def test_summary_of_a_smoke_run_judges_no_target(tmp_path):
+    (tmp_path / "trainer.json").write_text(json.dumps({"smoke": True, "tessera_over_plain": 0.5}))
+    (tmp_path / "moe.json").write_text(json.dumps({"smoke": True, "layer": {"grouped_over_loop": 2.0}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/summary.py"), "--results", str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    assert "smoke run" in proc.stdout
+    rows = {r["measure"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    assert rows["trainer / plain eager loop, tokens/s"]["value"] == 0.5
+    assert {r["ok"] for r in rows.values()} == {""}  # 0.5 would be "NO" in a real run
+    (tmp_path / "trainer.json").write_text(json.dumps({"tessera_over_plain": 0.5}))
+    (tmp_path / "moe.json").unlink()
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/summary.py"), "--results", str(tmp_path)],
+                   capture_output=True, text=True, check=True)
+    assert json.loads((tmp_path / "summary.json").read_text())[0]["ok"] == "NO"
+
+
+def _gpu_suite():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+    import gpu_titan
+    return bench_gpu, gpu_titan
+
+
+def test_gpu_suite_runs_3b_with_every_peer_first_then_1b_then_float8():
+    bench_gpu, _ = _gpu_suite()
+    a = bench_gpu.argparse.Namespace(flavors="3B,1B", peers="tessera,plain,torchtitan,hf",
+                                     configs="bf16,compile,compile_float8_rowwise,compile_float8_tensorwise")
+    runs = bench_gpu.plan(a)
+    assert len(runs) == 32 and len(set(runs)) == 32
+    assert runs[:8] == [(p, "3B", c) for c in ("bf16", "compile") for p in ("tessera", "plain", "torchtitan", "hf")]
+    assert {f for _, f, _ in runs[8:16]} == {"1B"} and {c for _, _, c in runs[:16]} == {"bf16", "compile"}
+    assert runs[16:20] == [(p, "3B", "compile_float8_rowwise") for p in ("tessera", "plain", "torchtitan", "hf")]
+
+
+def test_torchtitan_log_gives_median_tokens_per_s_after_warmup_and_peak_memory():
+    _, gpu_titan = _gpu_suite()
+    log = "\n".join(f"[titan] 2026-12-04 - root - INFO - step: {s:2}  loss: 12.00000  grad_norm: 1.0000  memory: "
+                    f"{mem:5.2f}GiB(50.00%)  tps: {tps:,}  tflops: 1.00  mfu: 0.10%"
+                    for s, mem, tps in [(1, 80.0, 1_000), (2, 90.5, 20_000), (3, 90.0, 30_000), (4, 90.0, 10_000),
+                                        (5, 91.25, 40_000)])
+    res = gpu_titan.read_log(log, warmup=2, tokens_per_step=8192)
+    assert res["tokens_per_s"] == 30_000  # the median of steps 3-5
+    assert res["peak_memory_gib"] == 91.25 and res["first_step_s"] == 8.192
+    assert gpu_titan.read_log(log, warmup=5, tokens_per_step=8192)["status"].startswith("failed")
