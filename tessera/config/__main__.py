@@ -1,8 +1,10 @@
-"""`python -m tessera.config [--world-size N] [flags]`: validate only, for launch scripts (no torch import)."""
+"""`python -m tessera.config [--world-size N] [flags]`: validate only, for launch scripts (no torch import).
+
+`python -m tessera.config --markdown` prints the config reference (docs/config-reference.md) instead."""
 
 import sys
 
-from tessera.config.manager import ConfigError, help_text, parse_args
+from tessera.config.manager import ConfigError, help_text, markdown_reference, parse_args
 from tessera.config.validate import validate
 
 
@@ -15,6 +17,9 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         world_size, argv = int(argv[1]), argv[2:]
+    if argv == ["--markdown"]:
+        print(markdown_reference())
+        return 0
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0

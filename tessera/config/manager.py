@@ -175,17 +175,75 @@ def to_toml(cfg: JobConfig) -> str:
     return tomli_w.dumps(strip_none(dataclasses.asdict(cfg)))
 
 
+def _sections():
+    """[(section, [(dotted key, owner, field), ...])] in schema order; a nested dataclass is its own section."""
+    grouped: dict[str, list] = {}
+    for key, owner, f in _leaves(JobConfig()):
+        grouped.setdefault(key.rsplit(".", 1)[0], []).append((key, owner, f))
+    return list(grouped.items())
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {type(None): "none", list[str]: "list of strings"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _toml_value(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, str) and not value:
+        return '""'
+    return tomli_w.dumps({"v": value}).strip()[4:]  # TOML's spelling: true, "x", ["a", "b"]
+
+
+def _valid_values(f) -> str:
+    meta = f.metadata
+    parts = [" / ".join(f"`{c}`" for c in meta["choices"])] if meta.get("choices") else []
+    if meta.get("min") is not None:
+        parts.append(f">= {meta['min']}")
+    if meta.get("max") is not None:
+        parts.append(f"<= {meta['max']}")
+    if meta.get("below") is not None:
+        parts.append(f"< {meta['below']}")
+    if meta.get("table"):
+        parts.append("NAME:number,... or a TOML table {NAME = number}")
+    return ", ".join(parts)
+
+
+def markdown_reference() -> str:
+    """Every section and option with its type, default, valid values and doc: docs/config-reference.md."""
+    sections = _sections()
+    lines = ["# Configuration reference", "",
+             "<!-- Generated from tessera/config/sections.py by `python -m tessera.config --markdown > "
+             "docs/config-reference.md`; tests/test_docs.py fails when this file is stale. Do not edit. -->", "",
+             "Every option of a run, by TOML section. Give it in the config file (`[section]` then `key = value`) or "
+             "on the command line (`--section.key value`); the command line wins, then the file, then the default "
+             "shown here. How to write them: [configuration.md](configuration.md).", "",
+             " ".join(f"[`[{name}]`](#{name.replace('.', '')})" for name, _ in sections), ""]
+    for name, leaves in sections:
+        lines += [f"## [{name}]", "", "| option | type | default | valid values | what it does |",
+                  "| --- | --- | --- | --- | --- |"]
+        for key, owner, f in leaves:
+            cells = (f"`{key.rsplit('.', 1)[1]}`", _type_name(_field_type(owner, f)),
+                     f"`{_toml_value(getattr(owner, f.name))}`", _valid_values(f), f.metadata["doc"])
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def help_text() -> str:
     lines = ["usage: torchrun ... -m tessera.train [--job.config_file FILE] [--section.key VALUE ...]",
              "", "Precedence: CLI > TOML file > defaults. Booleans: --key, --key=false. Lists: a,b.", ""]
-    section = None
-    for key, owner, f in _leaves(JobConfig()):
-        head = key.rsplit(".", 1)[0]
-        if head != section:
-            lines.append(f"[{head}]")
-            section = head
-        default = getattr(owner, f.name)
-        choices = f.metadata.get("choices")
-        extra = f" {{{'|'.join(map(str, choices))}}}" if choices else ""
-        lines.append(f"  --{key:<46} {f.metadata['doc']} (default: {default!r}){extra}")
+    for name, leaves in _sections():
+        lines.append(f"[{name}]")
+        for key, owner, f in leaves:
+            default = getattr(owner, f.name)
+            choices = f.metadata.get("choices")
+            extra = f" {{{'|'.join(map(str, choices))}}}" if choices else ""
+            lines.append(f"  --{key:<46} {f.metadata['doc']} (default: {default!r}){extra}")
     return "\n".join(lines)
