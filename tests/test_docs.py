@@ -18,7 +18,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -168,6 +167,9 @@ def test_options_named_in_prose_exist(path):
         for m in re.finditer(r"(?:^|\s)--([a-z_]+(?:\.[a-z0-9_]+)+)", span):
             if m.group(1) not in OPTIONS | {PLACEHOLDER}:
                 bad.append(span)
+        section = re.match(r"^\[([a-z_.]+)\]$", span)  # `[checkpoint]`: a TOML section
+        if section and section.group(1) not in SECTIONS | OPTIONS:  # (a table-valued option is a TOML table too)
+            bad.append(span)
         m = re.match(r"^([a-z_]+(?:\.[a-z0-9_]+)+)(?:$|\s|=)", span)
         if m and m.group(1).split(".")[0] in SECTIONS and not m.group(1).endswith(FILE_SUFFIXES):
             if m.group(1) not in OPTIONS | SECTIONS:
@@ -218,7 +220,7 @@ def test_the_reference_lists_every_option_once():
     assert len(re.findall(r"^\| `[a-z0-9_]+` \|", text, flags=re.M)) == len(OPTIONS)
 
 
-def test_the_readme_starts_with_the_two_commands_that_work_on_a_fresh_clone():
+def test_the_readme_starts_with_the_two_commands_that_work_on_a_fresh_clone(tmp_path):
     lang, _, body, _ = _fences(ROOT / "README.md")[0]
     assert lang == "bash" and [c for c, _ in _commands(body)] == ["./run_train.sh", "./run_tests.sh"]
     for script in ("run_train.sh", "run_tests.sh", "scripts/env.sh", "configs/llama3_debug.toml"):
@@ -227,7 +229,5 @@ def test_the_readme_starts_with_the_two_commands_that_work_on_a_fresh_clone():
             subprocess.run(["git", "ls-files", "--error-unmatch", script], cwd=ROOT, check=True, capture_output=True)
     assert os.access(ROOT / "run_train.sh", os.X_OK) and os.access(ROOT / "run_tests.sh", os.X_OK)
     # what ./run_train.sh checks before it starts its 2 CPU processes
-    with tempfile.TemporaryDirectory() as folder:
-        cfg = parse_args(["--job.config_file", str(ROOT / "configs/llama3_debug.toml"),
-                          "--job.dump_folder", folder])
-        validate(cfg, 2)
+    validate(parse_args(["--job.config_file", str(ROOT / "configs/llama3_debug.toml"),
+                         "--job.dump_folder", str(tmp_path)]), 2)
