@@ -5,7 +5,7 @@
 
 Each degree is one torchrun job of CP ranks (one thread each on CPU) training one sequence per step.
 Per rank it reports the peak bytes of tensors a training step keeps alive at once (activations,
-attention intermediates, gradients: `tessera.metrics.PeakLiveBytes`, the same on every device), which
+attention intermediates, gradients: `tessera.memory.LiveBytes`, the same on every device), which
 falls as 1/CP, and the process peak (allocator peak on GPU, RSS on CPU), which also holds the runtime.
 """
 
@@ -29,10 +29,10 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from tessera.config import parse_args
-    from tessera.config.validate import validate
     from tessera.distributed import init_world, shutdown, world_size_from_env
-    from tessera.metrics import PeakLiveBytes, peak_memory_gib
+    from tessera.memory import LiveBytes
+    from tessera.metrics import peak_memory_gib
+    from tessera.preflight import parse_args, validate
     from tessera.train import train_step
     from tessera.trainer import build_trainer
 
@@ -47,7 +47,7 @@ def worker(a) -> None:
         for _ in range(a.steps):
             train_step(tr)
         step_s = (time.perf_counter() - start) / a.steps
-        with PeakLiveBytes() as meter:
+        with LiveBytes() as meter:
             train_step(tr)
         live = torch.tensor([meter.peak / 2**30], dtype=torch.float64)
         if dist.is_initialized():

@@ -22,7 +22,7 @@ from common import (  # noqa: E402, I001
     AC, COMPILE, FLOAT8, RESULTS, alternate, make_trainer, paired_ratio, smoke_option, sync_for, tessera_argv,
     write_json,
 )
-from tessera.metrics import PeakLiveBytes  # noqa: E402
+from tessera.memory import LiveBytes  # noqa: E402
 from tessera.train import forward_backward, train_step  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def activation_bytes(tr) -> int:
         forward_backward(tr, inputs, labels)
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        with PeakLiveBytes() as meter:
+        with LiveBytes() as meter:
             forward_backward(tr, inputs, labels)
         peak = meter.peak
     tr.optimizer.zero_grad()

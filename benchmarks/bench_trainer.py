@@ -27,7 +27,7 @@ from tessera.data import build_dataloader, build_tokenizer  # noqa: E402
 from tessera.metrics import measure_gemm_peak  # noqa: E402
 from tessera.models.llama3.args import FLAVORS, TAKES_TOKENIZER_VOCAB  # noqa: E402
 from tessera.models import family, num_params  # noqa: E402
-from tessera.models.llama3.model import Transformer  # noqa: E402
+from tessera.models.common.decoder import Decoder as Transformer  # noqa: E402
 from tessera.parallel.init import materialize  # noqa: E402
 from tessera.train import train_step  # noqa: E402
 

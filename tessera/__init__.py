@@ -3,7 +3,7 @@
 
 def __getattr__(name: str):
     if name == "from_pretrained":  # lazily: `import tessera` stays free of torch
-        from tessera.generate import from_pretrained
+        from tessera.pretrained import from_pretrained
 
         return from_pretrained
     raise AttributeError(f"module 'tessera' has no attribute {name!r}")

@@ -26,11 +26,12 @@ def asked_args(cfg: JobConfig, vocab_size: int | None):
 
 
 def hf_args(cfg: JobConfig):
-    """The architecture `<checkpoint.initial_load_path>/config.json` describes (DeepSeek's MTP depths that the
-    folder lacks kept, freshly initialized, when training.mtp_loss_weight trains them)."""
+    """The architecture `<checkpoint.initial_load_path>/config.json` describes (parts the folder lacks kept,
+    freshly initialized, when the run trains them: Family.trains_absent_parts)."""
+    trains = models.family(cfg.model.name).trains_absent_parts
     try:
         return models.hf_args(cfg.model.name, cfg.checkpoint.initial_load_path,
-                              train=cfg.training.mtp_loss_weight > 0)
+                              train=trains is not None and trains(cfg))
     except ValueError as e:
         raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
 

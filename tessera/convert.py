@@ -27,8 +27,9 @@ from tessera.checkpoint.folder import damage
 from tessera.checkpoint.hf import HFError, hf_folder, load_hf, save_hf
 from tessera.checkpoint.manager import write_marker, write_run_record
 from tessera.checkpoint.writer import HashingWriter
-from tessera.config import ConfigError, parse_args
+from tessera.config import ConfigError
 from tessera.dtypes import DTYPES
+from tessera.preflight import parse_args
 
 
 def _config(src: Path | None, opts: argparse.Namespace):

@@ -8,7 +8,6 @@ import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("tessera")
 
@@ -52,31 +51,6 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss_kib / 2**20
 
 
-class PeakLiveBytes(TorchDispatchMode):
-    """Peak bytes of op outputs alive at once (activations, recomputations, gradients), counted the same
-    on every device: for activation-memory comparisons where the allocator's peak is not available (CPU).
-
-    Storages are tracked by weak reference, so a tensor counts exactly as long as something (autograd's
-    saved tensors included) keeps it alive. Tensors made before entering (parameters) are not counted.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
 def _eta(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -87,8 +61,9 @@ class MetricsLogger:
     `open()`, which the trainer calls once the run is known to start (a failed launch writes nothing)."""
 
     def __init__(self, dump_folder: str, total_steps: int, *, active: bool, tensorboard_dir: str | None = None,
-                 wandb: bool = False, config: dict | None = None):
-        self.total_steps, self.active = total_steps, active
+                 wandb: bool = False, config: dict | None = None, labels: dict[str, str] | None = None):
+        """`labels`: {metric a family adds: its label on the console line} (Family.metrics)."""
+        self.total_steps, self.active, self.labels = total_steps, active, labels or {}
         self.dump_folder, self.tensorboard_dir = dump_folder, tensorboard_dir
         self.use_wandb, self.config = wandb, config
         self.start = time.perf_counter()
@@ -130,11 +105,16 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / max(step, 1) * (self.total_steps - step)
         m = metrics
-        mtp = f"  mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
+        own = "".join(f"  {label} {m[key]:.4f}" for key, label in self.labels.items() if key in m)
         log.info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {m['loss']:.4f}  "
                  f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  tps {m['tps']:,.0f}  "
                  f"tflops {m['tflops']:.3f}  mfu {m['mfu']:.1%}  mem {m['memory_gib']:.2f}GiB  "
-                 f"data {m['data_share']:.1%}{_moe(m)}{mtp}  eta {_eta(eta)}")
+                 f"data {m['data_share']:.1%}{_moe(m)}{own}  eta {_eta(eta)}")
+
+    def image(self, tag: str, picture, step: int) -> None:
+        """An HWC uint8 image (a family's samples) to TensorBoard, when it is on."""
+        if self.tb is not None:
+            self.tb.add_image(tag, picture, step, dataformats="HWC")
 
     def close(self) -> None:
         for sink in (self.jsonl, self.tb):

@@ -16,13 +16,12 @@ import json
 import sys
 
 from tessera import models
-from tessera.config import ConfigError, JobConfig, parse_args
-from tessera.config.validate import validate
-from tessera.estimate.__main__ import GIB, HEADROOM
-from tessera.estimate.cli import CLUSTER, Flag, cluster, help_asked, quiet, split
+from tessera.config import ConfigError, JobConfig
+from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
 from tessera.estimate.cost import Cluster, step_time
 from tessera.parallel.pp_layout import MULTI_STAGE
+from tessera.preflight import parse_args, validate
 
 FLAGS = {
     "gpus": Flag(int, 0, "GPUs of the cluster (nodes x gpus_per_node); required"),

@@ -11,17 +11,17 @@ import torch.distributed as dist
 
 from tessera.checkpoint.hf import HFError
 from tessera.checkpoint.manager import CorruptCheckpoint
-from tessera.config import ConfigError, help_text, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
 from tessera.distributed import World, init_world, set_timeout, shutdown, timeout_message, world_size_from_env
 from tessera.experts import reset_statistics
 from tessera.memory import live_memory, live_memory_metrics
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
 from tessera.parallel.tp import local, loss_context
+from tessera.preflight import help_text, parse_args, validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
-from tessera.trainer import Trainer, build_trainer
+from tessera.trainer import Trainer, build_trainer, run_view
 
 log = logging.getLogger("tessera")
 
@@ -169,11 +169,11 @@ def train(tr: Trainer) -> None:
                 log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start)
                 window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
             if tr.checkpointer.should_save(tr.step, last):  # before validation: nothing after it can lose a save
-                tr.checkpointer.save(tr, last)
+                tr.checkpointer.save(last)
             if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
-            if tr.evaluate is not None and tr.evaluate(tr, last):  # its time is not the step's
+            if tr.evaluate is not None and tr.evaluate(run_view(tr), last):  # its time is not the step's
                 window_start = time.perf_counter()
     tr.checkpointer.wait()
 
@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
     try:
         tr = build_trainer(cfg, world)
         if cfg.checkpoint.create_seed_checkpoint:
-            tr.checkpointer.save_seed(tr)
+            tr.checkpointer.save_seed()
         else:
             train(tr)
             summarize(tr)

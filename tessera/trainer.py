@@ -11,21 +11,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import architecture, experts, models
-from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
+from tessera.checkpoint.manager import Checkpointer, Progress, Saved, find_resume, probe_writable, write_run_record
 from tessera.config import ConfigError, JobConfig
-from tessera.config.validate import check_vocab
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
+from tessera.models.contract import RunView
 from tessera.optim import build_lr_scheduler, build_optimizer, schedule_note
 from tessera.parallel import cp, pp
 from tessera.parallel.compile import compile_loss
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
+from tessera.preflight import check_vocab
 
 log = logging.getLogger("tessera")
 
@@ -67,13 +68,24 @@ class Trainer:
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
     side_losses: list[SideLoss]  # losses the model computes itself (multi-token prediction), for metrics
-    step: int = 0
-    tokens_seen: int = 0
+    progress: Progress  # step, tokens_seen, skipped_steps: what the checkpointer saves and restores of the loop
+    evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
-    skipped_steps: int = 0  # training.nonfinite_policy = skip: steps with non-finite gradients, not applied
     history: list[dict] = field(default_factory=list)
     live_bytes: object | None = None  # metrics.live_memory: a tessera.memory.LiveBytes counting while training
-    evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
+
+    # The counters, by their names in the loop.
+    step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
+    tokens_seen = property(lambda self: self.progress.tokens_seen,
+                           lambda self, v: setattr(self.progress, "tokens_seen", v))
+    skipped_steps = property(lambda self: self.progress.skipped_steps,
+                             lambda self, v: setattr(self.progress, "skipped_steps", v))
+
+
+def run_view(tr: Trainer) -> RunView:
+    """What a family's evaluation gets of the run."""
+    return RunView(cfg=tr.cfg, world=tr.world, model=tr.model, loader=tr.loader, autocast=tr.autocast, step=tr.step,
+                   image=tr.metrics.image)
 
 
 def token_batch(tr, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -155,7 +167,8 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
 def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int) -> list[SideLoss]:
     losses, share = [m for m in model.modules() if isinstance(m, SideLoss)], micro_batches(cfg, world, grad_accum)
     for m in losses:
-        m.weight, m.share = getattr(cfg.training, m.weight_option), 1.0 / share
+        section, _, option = m.weight_option.rpartition(".")
+        m.weight, m.share = getattr(getattr(cfg, section), option), 1.0 / share
     return [m for m in losses if m.weight]
 
 
@@ -192,6 +205,7 @@ def set_determinism(cfg: JobConfig) -> None:
 
 def build_metrics(cfg: JobConfig, world: World) -> MetricsLogger:
     return MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=world.rank == 0,
+                         labels=dict(models.family(cfg.model.name).metrics),
                          wandb=cfg.metrics.enable_wandb,
                          tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
                          if cfg.metrics.enable_tensorboard else None)
@@ -237,14 +251,21 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
     mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
-    tr = Trainer(cfg, world, model, args, pipeline, optimizer, scheduler, loader, val_loader,
-                 build_metrics(cfg, world), Checkpointer(cfg, world.rank, args, damaged), tokenizer, grad_accum,
-                 counts.flops_per_token, peak, autocast, uses_loss_parallel(cfg, world), loss,
-                 spec.batch or token_batch, spec.extra_loss,
-                 tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
-                 post_optimizer_hook(model, cfg), bad, build_balancer(cfg, world, args, model, pipeline, grad_accum),
-                 build_side_losses(cfg, world, model, grad_accum))
-    tr.evaluate = spec.evaluate
-    tr.checkpointer.load(tr, resume)
+    progress = Progress()
+    saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
+                  bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
+                 scheduler=scheduler, loader=loader, val_loader=val_loader, metrics=build_metrics(cfg, world),
+                 checkpointer=Checkpointer(cfg, world.rank, args, saved, damaged), tokenizer=tokenizer,
+                 grad_accum=grad_accum,
+                 flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
+                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, batch_fn=spec.batch or token_batch,
+                 extra_loss=spec.extra_loss,
+                 document_bos=tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
+                 after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
+                 balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),
+                 side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,
+                 evaluate=spec.evaluate)
+    tr.checkpointer.load(resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     return tr

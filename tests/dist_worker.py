@@ -15,11 +15,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tessera.config import parse_args
-from tessera.config.validate import validate
 from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.init import bare_name
 from tessera.parallel.tp import local
+from tessera.preflight import parse_args, validate
 from tessera.train import dp_mean, train, train_step
 from tessera.trainer import build_trainer
 from tests.launch import merge

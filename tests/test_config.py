@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config import ConfigError, JobConfig, help_text, parse_args, to_toml
+from tessera.config import ConfigError, to_toml
 from tessera.config.manager import _flatten_toml, _leaves
-from tessera.config.validate import validate
+from tessera.preflight import JobConfig, help_text, parse_args, validate
 from tests.launch import ROOT, merge, torchrun
 
+pytestmark = pytest.mark.fast
 CONFIGS = ROOT / "configs"
 LEAVES = {key: (owner, f) for key, owner, f in _leaves(JobConfig())}
 

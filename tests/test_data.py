@@ -9,11 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import ConfigError
 from tessera.data import TokenLoader, build_dataloader, build_tokenizer, documents
 from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import _stdlib_files, check_files
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+from tessera.preflight import JobConfig
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 

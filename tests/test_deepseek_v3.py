@@ -118,8 +118,8 @@ def test_a_run_training_mtp_starts_the_missing_depth_fresh_and_a_partial_depth_i
 
     from tessera import architecture
     from tessera.checkpoint.hf import HFError
-    from tessera.config import parse_args
     from tessera.parallel.init import materialize
+    from tessera.preflight import parse_args
 
     theirs = _theirs(tmp_path / "in", num_mtp_layers=1, **_CONFIGS["plain_q_halves"])
     run = ["--model.name", "deepseek_v3", "--model.flavor=", "--checkpoint.initial_load_in_hf",
@@ -387,11 +387,11 @@ def test_the_debug_models_train_with_balancing_on(flavor):
 
 @pytest.mark.parametrize("layout", ["tensor", "context", "pipeline"])
 def test_mtp_is_refused_where_ranks_hold_no_whole_sequence_and_kept_untrained_at_weight_0(layout):
-    from tessera.config import ConfigError, parse_args
-    from tessera.config.validate import validate
+    from tessera.config import ConfigError
+    from tessera.preflight import parse_args, validate
 
     argv = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp",
             f"--parallelism.{layout}_parallel_degree", "2"]
-    with pytest.raises(ConfigError, match="training.mtp_loss_weight: multi-token prediction runs on whole"):
+    with pytest.raises(ConfigError, match="deepseek_v3.mtp_loss_weight: multi-token prediction runs on whole"):
         validate(parse_args(argv), 2)
     validate(parse_args([*argv, "--training.mtp_loss_weight", "0"]), 2)

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config import JobConfig, markdown_reference, parse_args
 from tessera.config.manager import _leaves
-from tessera.config.validate import validate
+from tessera.preflight import JobConfig, markdown_reference, parse_args, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

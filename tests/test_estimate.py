@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from tessera.config import ConfigError, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
 from tessera.estimate.__main__ import HEADROOM
 from tessera.estimate.core import estimate
+from tessera.preflight import parse_args, validate
 from tests.dist_worker import BASE
 from tests.launch import ROOT, merge, run_cases
 from tests.test_config import BIG

@@ -136,8 +136,8 @@ MODEL = ["--model.name", "flux", "--model.flavor", "flux-debug", "--training.seq
 
 
 def _loader(split="train", dp_rank=0, dp=1, batch=8, *flags):
-    from tessera.config import parse_args
     from tessera.models.flux.data import FluxLoader
+    from tessera.preflight import parse_args
     from tests.launch import merge
 
     cfg = parse_args(merge(MODEL, ["--training.local_batch_size", str(batch)], flags))
@@ -299,10 +299,10 @@ def test_released_encoders_and_vae_load_from_a_folder_and_train(tmp_path):
     import diffusers
     import transformers
 
-    from tessera.config import ConfigError, parse_args
-    from tessera.config.validate import validate
+    from tessera.config import ConfigError
     from tessera.models.flux.data import FluxLoader
     from tessera.models.flux.encoders import patchify
+    from tessera.preflight import parse_args, validate
     from tests.launch import merge, run_local
 
     _release(tmp_path / "flux")
@@ -414,8 +414,8 @@ def test_configs_check_and_refusals(tmp_path):
     """The schnell/dev configs hold together on 8 ranks (seq_len = text + image tokens at 512 px through a 16-channel,
     1/8 VAE; with CP 2 too) given a release folder and data; what Flux does not do is refused in one line that
     names the key and the fix: TP and PP (with why), a seq_len that is not text + image tokens, missing data."""
-    from tessera.config import ConfigError, parse_args
-    from tessera.config.validate import validate
+    from tessera.config import ConfigError
+    from tessera.preflight import parse_args, validate
 
     release = tmp_path / "release"
     for part in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tessera.checkpoint.hf import HFError, load_hf, save_hf
+from tessera.models.common.decoder import Decoder as Transformer
 from tessera.models.llama3.args import FLAVORS
 from tessera.models.llama3.hf import hf_config
-from tessera.models.llama3.model import Transformer
 from tessera.parallel.init import materialize
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tessera.checkpoint.hf import save_hf
-from tessera.models.llama3.model import Transformer
+from tessera.models.common.decoder import Decoder as Transformer
 from tests.test_hf import ENV, ROOT, _args, _assert_same_logits, _hf_folder, _ours, _pretrained, _run
 
 # --- convert CLI --------------------------------------------------------------------------------------------
@@ -22,7 +22,8 @@ def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
     import torch.distributed.checkpoint as dcp
 
     from tessera.checkpoint.manager import write_marker
-    from tessera.config import parse_args, to_toml
+    from tessera.config import to_toml
+    from tessera.preflight import parse_args
 
     state = {"model": ours.state_dict(), "optimizer": {"state": {"norm.weight": {"exp_avg": torch.ones(64)}}},
              "train": {"step": 3}}

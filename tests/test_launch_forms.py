@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config import parse_args
-from tessera.config.validate import validate
 from tessera.optim import lr_lambda, schedule_note
+from tessera.preflight import parse_args, validate
 from tests.launch import ROOT
 
 CONFIGS = ROOT / "configs"

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from tessera.models import num_params
+from tessera.models.common.decoder import Decoder as Transformer
 from tessera.models.llama3.args import FLAVORS
 from tessera.models.llama3.hf import from_hf, hf_config, to_hf
-from tessera.models.llama3.model import Transformer
 from tessera.parallel.init import materialize
+
+pytestmark = pytest.mark.fast
 
 
 @pytest.mark.parametrize("flavor,published", [("1B", 1.236e9), ("3B", 3.213e9), ("8B", 8.030e9),

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from tessera.config import ConfigError, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
+from tessera.preflight import parse_args, validate
 from tests.launch import merge
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32"]

@@ -7,8 +7,8 @@ layouts EP cannot take are refused in one line."""
 import pytest
 import torch
 
-from tessera.config import ConfigError, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
+from tessera.preflight import parse_args, validate
 from tests.dist_worker import run_grads, run_train
 from tests.launch import assert_matches, resume_copy, run_cases
 

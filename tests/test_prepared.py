@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tessera.config import ConfigError, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
 from tessera.data import build_dataloader, build_tokenizer, prepare, tokens
 from tessera.data.prepared import BLOCK, PreparedLoader, permute
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.data.tokens import TokenShards, read_manifest
+from tessera.preflight import parse_args, validate
 from tests.dist_worker import run_train
 from tests.launch import ROOT, merge, resume_copy, run_cases, run_local
 

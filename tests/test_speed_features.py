@@ -19,13 +19,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tessera.config import ConfigError, parse_args, validate as validate_module
-from tessera.config.validate import validate
-from tessera.metrics import PeakLiveBytes
+from tessera import preflight as validate_module
+from tessera.config import ConfigError
+from tessera.memory import LiveBytes
+from tessera.models.common.decoder import Decoder as Transformer
 from tessera.models.llama3.args import FLAVORS, Llama3Args
-from tessera.models.llama3.model import Transformer
 from tessera.parallel.ac import apply_ac, op_policy
 from tessera.parallel.init import bare_name, materialize
+from tessera.preflight import parse_args, validate
 from tests.dist_worker import _trainer, full_params, run_grads, split_cases, step_and_record
 from tests.launch import ROOT, assert_matches, resume_copy, run_cases
 
@@ -121,7 +122,7 @@ def test_ac_lowers_peak_activation_memory():
         model = _tiny(**args)
         apply_ac(model.layers, mode, option)
         materialize(model, torch.device("cpu"), 0)
-        with PeakLiveBytes() as meter:
+        with LiveBytes() as meter:
             loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
             loss.backward()
         peak[mode + option], losses[mode + option] = meter.peak, loss.item()

@@ -7,6 +7,7 @@ save of a run is a full checkpoint like the others; the exports it may add (mode
 go to `exports/step-N/`, which resuming never reads.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,10 +17,13 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -143,11 +147,32 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             damaged.add(path)
 
 
+@dataclass
+class Progress:
+    """The step counters a full checkpoint holds (its train_state); the Trainer counts in this one."""
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0  # training.nonfinite_policy = skip: steps not applied
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a checkpoint holds, by name (with the RNG states, torch's own): the checkpointer is given this, not the
+    Trainer. The model's state holds its buffers too (an MoE model's expert biases, which the balancer updates)."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Any  # the training loader: its position (state_dict / load_state_dict)
+    progress: Progress
+    bos_id: int | None = None  # the tokenizer's: Hugging Face exports' config.json names them
+    eos_id: int | None = None
+
+
 class Checkpointer:
     """Saves at intervals and at the end, resumes at start. One per run; rank 0 writes markers and purges."""
 
-    def __init__(self, cfg: JobConfig, rank: int, model_args, damaged: set[str] | None = None):
-        self.cfg, self.c, self.rank, self.model_args = cfg, cfg.checkpoint, rank, model_args
+    def __init__(self, cfg: JobConfig, rank: int, model_args, parts: Saved, damaged: set[str] | None = None):
+        self.cfg, self.c, self.rank, self.model_args, self.parts = cfg, cfg.checkpoint, rank, model_args, parts
         self.root = os.path.join(cfg.job.dump_folder, self.c.folder)
         self.distributed = dist.is_initialized()
         # Async saves run collectives from a background thread: give them their own group.
@@ -158,15 +183,16 @@ class Checkpointer:
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
 
     # ---- state ---------------------------------------------------------------------------------------
-    def _state(self, tr, model_only: bool, dtype: torch.dtype | None = None) -> dict:
+    def _state(self, model_only: bool, dtype: torch.dtype | None = None) -> dict:
+        tr = self.parts
         model = model_state(tr.model)  # plain tensors, whatever wraps the weights
         if dtype is not None:
             model = {k: v.to(dtype) for k, v in model.items()}
         if model_only:
             return {"model": model}
-        train = {"train_state": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps},
+        train = {"train_state": dataclasses.asdict(tr.progress),
                  "lr_scheduler": tr.scheduler.state_dict(),
-                 "dataloader": tr.loader.state_dict(),
+                 "dataloader": tr.data.state_dict(),
                  "rng": {"cpu": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
         return {"model": model, "optimizer": optimizer_state(tr.model, tr.optimizer), "train": train_blob(train)}
@@ -182,51 +208,52 @@ class Checkpointer:
         if self.c.enable:
             on_rank0(lambda: probe_writable(self.root, bytes_per_checkpoint))
 
-    def save(self, tr, last: bool = False) -> None:
+    def save(self, last: bool = False) -> None:
         """A full checkpoint (synchronous at the end of the run), then, at the end, the exports asked for."""
-        start = time.perf_counter()
+        start, step = time.perf_counter(), self.parts.progress.step
         self.wait()  # a new save never races one still in flight
-        path = self._fresh_folder(os.path.join(self.root, f"step-{tr.step}"))
-        state, writer = self._state(tr, model_only=False), HashingWriter(path)
+        path = self._fresh_folder(os.path.join(self.root, f"step-{step}"))
+        state, writer = self._state(model_only=False), HashingWriter(path)
         if self.c.async_mode != "disabled" and not last:
             self.pending = self._async_save(state, writer)
             self.pending.add_done_callback(
-                lambda f, p=path, s=tr.step: f.exception() or self._finish(p, s, "full", writer.digests))
+                lambda f, p=path, s=step: f.exception() or self._finish(p, s, "full", writer.digests))
         else:
             dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._finish(path, tr.step, "full", writer.digests)
+            self._finish(path, step, "full", writer.digests)
         stall = time.perf_counter() - start
         self.stall_s += stall
-        log.info(f"checkpoint step {tr.step} {'queued' if self.pending else 'saved'} to {path} "
+        log.info(f"checkpoint step {step} {'queued' if self.pending else 'saved'} to {path} "
                  f"(training stalled {stall:.2f}s)")
         if last and (self.c.last_save_in_hf or self.c.last_save_model_only):
-            self.export(tr)
+            self.export()
 
-    def export(self, tr) -> str:
+    def export(self) -> str:
         """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
-        path = self._fresh_folder(os.path.join(self.root, EXPORTS, f"step-{tr.step}"))
+        tr, step = self.parts, self.parts.progress.step
+        path = self._fresh_folder(os.path.join(self.root, EXPORTS, f"step-{step}"))
         dtype = DTYPES[self.c.export_dtype]
         digests = {}  # the HF writer's files (merged by rank 0 from every rank's shards) are read back instead
         if self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
-            save_hf(model_state(tr.model), tr.model_args, path, dtype=dtype, family=self.cfg.model.name,
-                    bos_id=tr.tokenizer.bos_id, eos_id=tr.tokenizer.eos_id)
+            save_hf(model_state(tr.model), self.model_args, path, dtype=dtype, family=self.cfg.model.name,
+                    bos_id=tr.bos_id, eos_id=tr.eos_id)
             kind = "hf"
         else:
             writer = HashingWriter(path)
-            dcp.save(self._state(tr, model_only=True, dtype=dtype), storage_writer=writer, process_group=self.pg)
+            dcp.save(self._state(model_only=True, dtype=dtype), storage_writer=writer, process_group=self.pg)
             digests, kind = writer.digests, "model"
         if self.rank == 0:
-            write_marker(path, tr.step, kind, {**digests, **write_run_record(path, self.cfg, tr.model_args)})
+            write_marker(path, step, kind, {**digests, **write_run_record(path, self.cfg, self.model_args)})
         log.info(f"exported the model ({'Hugging Face' if kind == 'hf' else 'DCP'}, {self.c.export_dtype}) to {path}")
         return path
 
-    def save_seed(self, tr) -> None:
+    def save_seed(self) -> None:
         """Step 0, model only, fp32: the common starting point of every layout."""
         path = self._fresh_folder(os.path.join(self.root, "step-0"))
         writer = HashingWriter(path)
-        dcp.save({"model": model_state(tr.model)}, storage_writer=writer)
-        self._finish(path, 0, "model", writer.digests, tr.model_args)
+        dcp.save({"model": model_state(self.parts.model)}, storage_writer=writer)
+        self._finish(path, 0, "model", writer.digests)
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
     def _fresh_folder(self, path: str) -> str:
@@ -247,12 +274,12 @@ class Checkpointer:
         upload.add_done_callback(lambda _: stager.close())
         return upload
 
-    def _finish(self, path: str, step: int, kind: str, digests: dict, args=None) -> None:
+    def _finish(self, path: str, step: int, kind: str, digests: dict) -> None:
         """Runs once DCP has returned, i.e. every rank has written and the metadata exists. `digests`: the DCP
         files', computed as they were written (on rank 0, DCP's coordinator)."""
         if self.rank != 0:
             return
-        records = write_run_record(path, self.cfg, args if args is not None else self.model_args)
+        records = write_run_record(path, self.cfg, self.model_args)
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind, {**digests, **records})
@@ -280,24 +307,24 @@ class Checkpointer:
             self.pending = None
 
     # ---- load ----------------------------------------------------------------------------------------
-    def load(self, tr, resume: tuple[int, str, dict] | None) -> None:
+    def load(self, resume: tuple[int, str, dict] | None) -> None:
         """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
         initial_load_path; else leave the fresh model."""
         if resume is not None:
             step, path, marker = resume  # content-checked by find_resume
             self.verified.add(path)
             full = marker["kind"] == "full"
-            self._load(tr, path, model_only=not full)
+            self._load(path, model_only=not full)
             log.info(f"resumed from checkpoint step {step} at {path}" if full else
                      f"initialized from the weights-only checkpoint at {path}; training starts at step 0")
         elif self.c.enable and self.c.initial_load_path:
-            self._initial_load(tr)
+            self._initial_load()
 
-    def _initial_load(self, tr) -> None:
+    def _initial_load(self) -> None:
         path = self.c.initial_load_path
         if self.c.initial_load_in_hf:
             from tessera.checkpoint.hf import load_hf
-            load_hf(tr.model, path, family=self.cfg.model.name, args=tr.model_args)
+            load_hf(self.parts.model, path, family=self.cfg.model.name, args=self.model_args)
         else:
             if not os.path.isfile(os.path.join(path, ".metadata")):
                 raise ConfigError(f"checkpoint.initial_load_path: '{path}' is not a DCP checkpoint (no .metadata)")
@@ -305,13 +332,13 @@ class Checkpointer:
             if marker is not None and (problem := verify_shared(path, marker)):
                 raise ConfigError(f"checkpoint.initial_load_path: '{path}' is damaged: {problem}; pick another "
                                   f"checkpoint")
-            self._load(tr, path, model_only=self.c.initial_load_model_only)
+            self._load(path, model_only=self.c.initial_load_model_only)
         log.info(f"initialized from {path}{' (Hugging Face)' if self.c.initial_load_in_hf else ''}")
 
-    def _load(self, tr, path: str, model_only: bool) -> None:
-        excluded = set(self.c.exclude_from_loading)
+    def _load(self, path: str, model_only: bool) -> None:
+        tr, excluded = self.parts, set(self.c.exclude_from_loading)
         model_only = model_only or {"optimizer", "train_state"} <= excluded
-        state = self._state(tr, model_only)
+        state = self._state(model_only)
         check_shapes(path, state["model"])
         if "optimizer" in excluded:
             state.pop("optimizer", None)
@@ -329,14 +356,15 @@ class Checkpointer:
             self._load_train_state(tr, read_train(state["train"]), excluded)
 
     @staticmethod
-    def _load_train_state(tr, train: dict, excluded: set[str]) -> None:
+    def _load_train_state(tr: Saved, train: dict, excluded: set[str]) -> None:
         if "train_state" not in excluded:
-            tr.step, tr.tokens_seen = train["train_state"]["step"], train["train_state"]["tokens_seen"]
-            tr.skipped_steps = train["train_state"].get("skipped_steps", 0)
+            progress = train["train_state"]
+            tr.progress.step, tr.progress.tokens_seen = progress["step"], progress["tokens_seen"]
+            tr.progress.skipped_steps = progress.get("skipped_steps", 0)
         if "lr_scheduler" not in excluded:
             resume_lr(tr.scheduler, train["lr_scheduler"])
         if "dataloader" not in excluded:
-            tr.loader.load_state_dict(train["dataloader"])
+            tr.data.load_state_dict(train["dataloader"])
         if "rng" not in excluded:
             torch.set_rng_state(train["rng"]["cpu"])
             if train["rng"]["cuda"] is not None and torch.cuda.is_available():

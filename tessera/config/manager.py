@@ -5,16 +5,18 @@ Torch-free on purpose: `run_train.sh` checks a config in well under a second bef
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import tomli_w
 
-from tessera.config.sections import JobConfig
+from tessera.config.sections import REMOVED, JobConfig
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -89,6 +91,18 @@ def _unknown(key: str, known, where: str) -> ConfigError:
     return ConfigError(f"unknown option '{key}'{where}{hint}")
 
 
+def _current(key: str, moved: Mapping[str, str], where: str) -> str | None:
+    """The key an option of an older config is now read as (one warning line when it moved), or None when it is
+    gone (one warning line saying why)."""
+    if key in moved:
+        logging.getLogger("tessera").warning(f"{key}{where} has moved to {moved[key]}; read as that (rename it)")
+        return moved[key]
+    if key in REMOVED:
+        logging.getLogger("tessera").warning(f"{key}{where} is ignored: {REMOVED[key]}")
+        return None
+    return key
+
+
 def _set(cfg: JobConfig, options, key: str, value: Any, where: str, from_cli: bool) -> None:
     if key not in options:
         raise _unknown(key, options, where)
@@ -119,14 +133,19 @@ def _flatten_toml(table: dict, prefix: str = "", options=()):
             yield f"{prefix}{k}", v
 
 
-def _split_cli(argv: list[str], options) -> list[tuple[str, str]]:
-    """`--a.b v`, `--a.b=v`, bare `--a.b` (boolean true) -> [(key, raw value)]."""
+def _split_cli(argv: list[str], options, moved: Mapping[str, str]) -> list[tuple[str, str]]:
+    """`--a.b v`, `--a.b=v`, bare `--a.b` (boolean true) -> [(key, raw value)] (keys as now named; a removed
+    option's value is dropped)."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument '{arg}': options look like --section.key value")
         key, eq, value = arg[2:].partition("=")
+        old, key = key, _current(key, moved, " (on the command line)") if key in {**moved, **REMOVED} else key
+        if key is None:  # gone: skip its value too
+            i += 1 if eq else 2
+            continue
         if key not in options:  # before guessing whether it takes a value: a mistyped bool must not eat the next flag
             raise _unknown(key, options, " (on the command line)")
         if not eq:
@@ -140,17 +159,18 @@ def _split_cli(argv: list[str], options) -> list[tuple[str, str]]:
             else:
                 value, i = nxt, i + 1
         if any(k == key for k, _ in pairs):
-            raise ConfigError(f"--{key} is given twice on the command line; keep one")
+            raise ConfigError(f"--{old} is given twice on the command line; keep one")
         pairs.append((key, value))
         i += 1
     return pairs
 
 
-def parse_args(argv: list[str]) -> JobConfig:
-    """defaults < --job.config_file TOML < CLI flags."""
-    cfg = JobConfig()
+def parse_args(argv: list[str], schema: type = JobConfig, moved: Mapping[str, str] | None = None) -> JobConfig:
+    """defaults < --job.config_file TOML < CLI flags, into `schema` (tessera.preflight's has the families'
+    sections); `moved`: {old key: new key} of options that moved, read where they are now with one warning line."""
+    cfg, moved = schema(), moved or {}
     options = _options(cfg)
-    cli = _split_cli(argv, options)
+    cli = _split_cli(argv, options, moved)
     path = next((v for k, v in cli if k == "job.config_file"), "")
     if path:
         if os.path.isdir(path):
@@ -163,7 +183,8 @@ def parse_args(argv: list[str]) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not valid TOML ({e})") from None
         for key, value in _flatten_toml(table, options=options):
-            _set(cfg, options, key, value, f" (in {path})", from_cli=False)
+            if (key := _current(key, moved, f" (in {path})")) is not None:
+                _set(cfg, options, key, value, f" (in {path})", from_cli=False)
     for key, value in cli:
         _set(cfg, options, key, value, " (on the command line)", from_cli=True)
     return cfg
@@ -175,10 +196,10 @@ def to_toml(cfg: JobConfig) -> str:
     return tomli_w.dumps(strip_none(dataclasses.asdict(cfg)))
 
 
-def _sections():
+def _sections(schema: type):
     """[(section, [(dotted key, owner, field), ...])] in schema order; a nested dataclass is its own section."""
     grouped: dict[str, list] = {}
-    for key, owner, f in _leaves(JobConfig()):
+    for key, owner, f in _leaves(schema()):
         grouped.setdefault(key.rsplit(".", 1)[0], []).append((key, owner, f))
     return list(grouped.items())
 
@@ -215,9 +236,10 @@ def _valid_values(f) -> str:
     return ", ".join(parts)
 
 
-def markdown_reference() -> str:
-    """Every section and option with its type, default, valid values and doc: docs/config-reference.md."""
-    sections = _sections()
+def markdown_reference(schema: type = JobConfig) -> str:
+    """Every section and option of `schema` (tessera.preflight's has the families' sections) with its type, default,
+    valid values and doc: docs/config-reference.md."""
+    sections = _sections(schema)
     lines = ["# Configuration reference", "",
              "<!-- Generated from tessera/config/sections.py by `python -m tessera.config --markdown > "
              "docs/config-reference.md`; tests/test_docs.py fails when this file is stale. Do not edit. -->", "",
@@ -236,10 +258,10 @@ def markdown_reference() -> str:
     return "\n".join(lines)
 
 
-def help_text() -> str:
+def help_text(schema: type = JobConfig) -> str:
     lines = ["usage: torchrun ... -m tessera.train [--job.config_file FILE] [--section.key VALUE ...]",
              "", "Precedence: CLI > TOML file > defaults. Booleans: --key, --key=false. Lists: a,b.", ""]
-    for name, leaves in _sections():
+    for name, leaves in _sections(schema):
         lines.append(f"[{name}]")
         for key, owner, f in leaves:
             default = getattr(owner, f.name)

@@ -1,9 +1,8 @@
 """Config sections: one dataclass per TOML section; each field's doc lives in its `opt`."""
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
-
-from tessera.models import FAMILIES
 
 # Converter names (model.converters) and their recipes; tessera/parallel/quantize.py maps them onto torchao.
 FLOAT8_CONVERTER, MX_CONVERTER = "quantize.linear.float8", "quantize.linear.mx"
@@ -34,7 +33,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "model family", choices=FAMILIES)
+    name: str = opt("llama3", "model family: a folder of tessera/models")
     flavor: str = opt("", "size preset: a row of the table in tessera/models/<name>/args.py; empty = the "
                       "architecture of the checkpoint resumed or the Hugging Face config.json imported, else "
                       "debugmodel")
@@ -74,9 +73,6 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence", min=2)
     max_norm: float = opt(1.0, "clip gradients to this global L2 norm; 0 = no clipping", min=0.0)
     steps: int = opt(10000, "optimizer steps to train", min=1)
-    mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over depths), for models "
-                                 "with MTP depths (DeepSeek V3: 0.3, later 0.1); 0 = the depths are kept but not run",
-                                 min=0.0)
     dataset: str = opt("stdlib", "stdlib (built-in offline corpus), files (training.dataset_path), tokenized (a folder "
                        "made by python -m tessera.data.prepare, memory-mapped), c4, or a hub id ORG/NAME")
     dataset_path: str = opt("", "local file, folder (searched recursively) or glob of: .txt (a file is one document), "
@@ -135,8 +131,6 @@ class Parallelism:
     pipeline_parallel_first_stage_less_layers: int = opt(1, "layers the first stage gives up for the embedding", min=0)
     pipeline_parallel_last_stage_less_layers: int = opt(1, "layers the last stage gives up for norm and output", min=0)
     context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
-    context_parallel_rotate_method: str = opt("allgather", "how attention sees other ranks' keys and values",
-                                              choices=("allgather",))
     expert_parallel_degree: int = opt(1, "MoE models: ranks that split each layer's routed experts, taken from the "
                                       "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
                                       "of CP x TP dividing that, and the experts); tokens travel to their experts' "
@@ -269,40 +263,6 @@ class Generate:
 
 
 @dataclass
-class Flux:
-    """model.name = flux: its data, encoders and objective (tessera/models/flux/)."""
-    resolution: int = opt(16, "image side in pixels after resize and center crop", min=4)
-    text_len: int = opt(48, "text tokens per caption (T5's sequence, padded or cut); training.seq_len must be "
-                        "text_len + the image tokens", min=1)
-    encoders: str = opt("tiny", "frozen text encoders and autoencoder: tiny = random-init T5 and CLIP from in-repo "
-                        "configs with a pixel-space autoencoder (offline, CPU); tiny_vae = the same with a random-init "
-                        "Flux VAE; else the folder of a FLUX.1 release (text_encoder, text_encoder_2, tokenizer, "
-                        "tokenizer_2, vae)")
-    timestep_sampling: str = opt("logit_normal", "distribution of t in [0, 1]", choices=("uniform", "logit_normal"))
-    logit_mean: float = opt(0.0, "logit_normal: mean of logit(t)")
-    logit_std: float = opt(1.0, "logit_normal: standard deviation of logit(t)", min=0.0)
-    txt_dropout: float = opt(0.1, "probability of dropping a caption's T5 features (classifier-free guidance)",
-                             min=0.0, max=1.0)
-    pooled_dropout: float = opt(0.1, "probability of dropping a caption's pooled CLIP embedding", min=0.0, max=1.0)
-    guidance: float = opt(3.5, "guidance scale fed to guidance-embedding flavors (flux-dev) in training", min=0.0)
-    val_timesteps: list[str] = opt(["0.25", "0.5", "0.75"], "validation: the fixed t each held-out sample is "
-                                   "noised to, in turn")
-    latent_cache: str = opt("", "folder of precomputed latents and text features (python -m tessera.models.flux.cache "
-                            "writes it), read instead of running the encoders; empty = encode on the fly")
-    shapes_pairs: int = opt(0, "dataset = shapes: that many pairs, repeated (needed to cache them); 0 = endless", min=0)
-    sample_freq: int = opt(0, "write a PNG grid of sample_prompts every N steps (and at the last); 0 = never", min=0)
-    sample_prompts: list[str] = opt(["a big red circle in the middle", "a big blue square on the left",
-                                     "a small green triangle at the top", "a big yellow circle on the right",
-                                     "a small white square at the bottom", "a big purple triangle in the middle",
-                                     "a small red square on the right", "a big green circle on the left"],
-                                    "captions of the sample grid, one image each")
-    sample_steps: int = opt(20, "Euler steps from noise to image", min=1)
-    guidance_scale: float = opt(4.0, "classifier-free guidance scale of samples (guidance-embedding flavors: fed to "
-                                "the model instead); 1 = none", min=0.0)
-    sample_seed: int = opt(0, "seed of the samples' noise", min=0)
-
-
-@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -320,4 +280,21 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     generate: Generate = field(default_factory=Generate)
-    flux: Flux = field(default_factory=Flux)
+
+
+# Options that are gone: a config that still sets one loads, with one warning line saying why it is ignored.
+REMOVED = {"parallelism.context_parallel_rotate_method": "context parallelism gathers the other ranks' keys and "
+                                                         "values (allgather, its only method); remove the key"}
+
+
+def mount(families: Mapping[str, type], model_names: tuple[str, ...], module: str) -> type:
+    """The whole schema: JobConfig with each family's options (a dataclass of `opt` fields) as a section named after
+    the family, and model.name choosing among `model_names`. The registry above this package calls it, so that the
+    schema knows no family; `module` is where it puts the classes made (for pickle)."""
+    meta = {**Model.__dataclass_fields__["name"].metadata, "choices": model_names}
+    model = make_dataclass("Model", [("name", str, field(default=Model.name, metadata=meta))], bases=(Model,))
+    sections = [("model", model, field(default_factory=model))]
+    sections += [(name, options, field(default_factory=options)) for name, options in families.items()]
+    whole = make_dataclass("JobConfig", sections, bases=(JobConfig,))
+    model.__module__ = whole.__module__ = module
+    return whole

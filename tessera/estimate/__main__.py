@@ -7,9 +7,10 @@ fake tensors), so it runs on a laptop. Exit status 0; a config that would not la
 import json
 import sys
 
-from tessera.config import ConfigError, parse_args
-from tessera.estimate.cli import CLUSTER, Flag, cluster, help_asked, quiet, split
+from tessera.config import ConfigError
+from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import Estimate, estimate
+from tessera.preflight import parse_args
 
 FLAGS = {
     "world_size": Flag(int, 0, "ranks (GPUs) of the run; not given: the product of the config's degrees (needs "
@@ -23,8 +24,6 @@ FLAGS = {
     "json": Flag(bool, False, "print the estimate as one JSON object (bytes) instead of the table"),
     **CLUSTER,
 }
-GIB = 2**30
-HEADROOM = 0.9  # the share of a GPU's memory a run may plan on: the rest is the allocator's and CUDA's
 
 
 def world_size(cfg, asked: int) -> int:

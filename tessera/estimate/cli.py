@@ -20,6 +20,8 @@ class Flag:
     positive: bool = True  # numbers must be > 0
 
 
+GIB = 2**30
+HEADROOM = 0.9  # the share of a GPU's memory a run may plan on: the rest is the allocator's and CUDA's
 CLUSTER = {
     "gpus_per_node": Flag(int, 8, "GPUs per node: TP and EP groups up to this size stay on intra-node links"),
     "peak_tflops": Flag(float, 989.0, "a GPU's dense bf16 peak in TFLOP/s (H100/H200: 989, B200: 2250, A100: 312)"),

@@ -19,11 +19,11 @@ from torch.distributed.pipelining import PipelineStage
 from tessera import architecture, models
 from tessera.checkpoint.manager import find_resume
 from tessera.config import ConfigError, JobConfig
-from tessera.config.validate import validate
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, trace
 from tessera.estimate.cost import Cluster, StepTime, step_time
 from tessera.parallel import pp, pp_layout
+from tessera.preflight import validate
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ finds it by name.
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -39,6 +39,18 @@ class Counts:
 
 
 @dataclass(frozen=True)
+class RunView:
+    """What a family's evaluation (ModelSpec.evaluate) gets of the run, typed: not the Trainer."""
+    cfg: Any
+    world: Any  # tessera.distributed.World
+    model: Any  # the module trained (under pipelining, a view over this rank's stages)
+    loader: Any  # the training loader
+    autocast: Any  # the context the model computes in
+    step: int  # the optimizer steps done
+    image: Callable[[str, Any, int], None]  # (tag, HWC uint8 array, step): to the run's image sinks (TensorBoard)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
     `init_buffers(device, positions=None)` (its position tables, at `positions`: by default 0 ... max_seq_len - 1),
@@ -56,7 +68,7 @@ class ModelSpec:
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
     loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
     batch: Callable | None = None  # (trainer, loader) -> (inputs by keyword, labels) on device; None: token windows
-    evaluate: Callable | None = None  # (trainer, last step) -> whether it ran: the family's own evaluation after
+    evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
     generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a
     # checkpoint of this family to it (Flux draws images)
@@ -76,8 +88,17 @@ class Family:
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
     hf_model_type: str  # config.json's model_type (transformers), or _class_name (diffusers)
-    check_config: Callable[[Any], None] | None = None  # (cfg): a family with its own data checks it and its own
-    # config section here, in place of the text data's checks; ValueError "key: why; fix"
+    options: type | None = None  # its own options: a dataclass of tessera.config.sections.opt fields, mounted as
+    # the config section named after the family ([flux]), shown by --help and saved in each run's config.toml
+    check: Callable[[Any, Any, Any], None] | None = None  # (cfg, args, dims): its checks of its section and of what
+    # it needs of the rest, before any rank starts; ValueError "key: why; fix"
+    moved_options: Mapping[str, str] = field(default_factory=dict)  # {old key elsewhere: its option}: older configs
+    # still load, with one warning line
+    own_data: bool = False  # it brings its own data (ModelSpec.data) and checks it in `check`, in place of the text
+    # data's checks
+    metrics: Mapping[str, str] = field(default_factory=dict)  # {metric it adds: its label on the console line}
+    trains_absent_parts: Callable[[Any], bool] | None = None  # (cfg): whether the run trains parts that its
+    # adapter's fit_to_weights may find absent from a Hugging Face folder (then they start freshly initialized)
 
     def spec(self) -> ModelSpec:
         module, _, attr = self.torch_side.partition(":")

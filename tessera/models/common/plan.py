@@ -5,6 +5,7 @@ the shared one (column/row-wise for a dense SwiGLU). MoE layers run on each rank
 (World.moe_mesh)."""
 
 from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.config import JobConfig
 from tessera.distributed import World
@@ -19,6 +20,11 @@ from tessera.parallel.tp import apply_tp, attention_plan, enable_async_tp, ffn_p
 
 NORMS = ("attention_norm", "ffn_norm")
 DECODER_BLOCK_TP_PLAN = attention_plan("attention", ("wq", "wk", "wv"), "wo", NORMS)
+# Per-head q/k norms (Qwen 3's): under TP each rank holds some heads, and the norms (over head_dim) run on them as
+# a sequence-parallel style over the heads dimension, so their weights' gradients are summed over TP ranks.
+QK_NORM_BLOCK_TP_PLAN = {**DECODER_BLOCK_TP_PLAN, **{f"attention.{n}": SequenceParallel(sequence_dim=2,
+                                                                                        use_local_output=True)
+                                                     for n in ("q_norm", "k_norm")}}
 _FFN_TP_PLAN = {False: ffn_plan("feed_forward", ("w1", "w3"), "w2"), True: local_tokens("feed_forward")}
 
 
@@ -54,3 +60,8 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
                    cpu_offload=cfg.training.enable_cpu_offload, inner=tuple(inner),
                    inner_divide=world.dims.dp * world.dims.cp, idle=more_units if idle else ())
     return model
+
+
+def decoder_plan(block_tp_plan: dict, high_precision: tuple[str, ...]):
+    """A family's `parallelize` (model, world, cfg) -> model: the shared decoder's plan with its blocks' TP plan."""
+    return lambda model, world, cfg: parallelize_decoder(model, world, cfg, block_tp_plan, high_precision)

@@ -20,8 +20,9 @@ class AddLossGrad(torch.autograd.Function):
 
 
 class SideLoss(nn.Module):
-    """`metric`: its name in metrics; `weight_option`: the `training` option that weights it (0: the model
-    skips it). The trainer sets `weight` and `share` (a micro-batch's part of the step's mean)."""
+    """`metric`: its name in metrics (the family names it, in Family.metrics); `weight_option`: the option that
+    weights it, SECTION.KEY (its family's own: deepseek_v3.mtp_loss_weight; 0: the model skips it). The trainer
+    sets `weight` and `share` (a micro-batch's part of the step's mean)."""
 
     def __init__(self, metric: str, weight_option: str):
         super().__init__()

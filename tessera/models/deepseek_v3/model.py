@@ -101,7 +101,7 @@ class DeepSeekV3(Decoder):
         super().__init__(args)
         self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
             if args.n_mtp else None
-        self.mtp_loss = SideLoss("mtp_loss", "mtp_loss_weight")
+        self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:

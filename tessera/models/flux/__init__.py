@@ -5,7 +5,8 @@ own data (image-caption pairs encoded by frozen text encoders and an autoencoder
 from tessera.models.contract import Counts, Family
 from tessera.models.flux import hf
 from tessera.models.flux.args import FLAVORS
-from tessera.models.flux.checks import check_config
+from tessera.models.flux.checks import check
+from tessera.models.flux.options import FluxOptions
 
 
 def counts(args, seq_len: int) -> Counts:
@@ -42,4 +43,4 @@ def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
 FAMILY = Family(name="flux", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(), hf=hf, counts=counts,
                 check_layout=check_layout, embedding="x_embedder.weight", high_precision=("proj_out",),
                 torch_side="tessera.models.flux.spec:SPEC", hf_model_type=hf.CLASS_NAME,
-                check_config=check_config)
+                options=FluxOptions, check=check, own_data=True)

@@ -13,30 +13,10 @@ import sys
 
 import torch
 
-from tessera.config import ConfigError, parse_args
-from tessera.data.records import DataError
-
-CHUNK = 1024
-
-
-class LatentCache:
-    def __init__(self, folder: str, split: str):
-        self.folder, self._chunk = os.path.join(folder, split), (None, None)
-
-    def _load(self, chunk: int) -> dict:
-        if self._chunk[0] != chunk:
-            path = os.path.join(self.folder, f"{chunk:06d}.pt")
-            if not os.path.isfile(path):
-                raise DataError(f"flux.latent_cache: no {path}; the cache holds fewer pairs than the data: "
-                                f"precompute them with python -m tessera.models.flux.cache, or unset it")
-            self._chunk = (chunk, torch.load(path))
-        return self._chunk[1]
-
-    def get(self, pair_ids: list[int], device: torch.device):
-        rows = [self._load(i // CHUNK) for i in pair_ids]  # one chunk held at a time: pairs are read in order
-        parts = [tuple(chunk[k][i % CHUNK] for k in ("x0", "txt", "pooled")) for chunk, i in zip(rows, pair_ids,
-                                                                                               strict=True)]
-        return tuple(torch.stack(column).to(device) for column in zip(*parts, strict=True))
+from tessera.config import ConfigError
+from tessera.models.flux.data import FluxLoader
+from tessera.models.flux.latents import CHUNK
+from tessera.preflight import parse_args
 
 
 def write(loader, folder: str, n_pairs: int, batch: int = 64) -> int:
@@ -55,8 +35,6 @@ def write(loader, folder: str, n_pairs: int, batch: int = 64) -> int:
 
 def main(argv: list[str]) -> int:
     from tessera import architecture
-    from tessera.models.flux.data import FluxLoader
-
     try:
         cfg = parse_args(argv)
         if not cfg.flux.latent_cache:

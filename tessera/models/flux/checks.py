@@ -1,4 +1,4 @@
-"""Flux's config checks, torch-free: run before any process starts (`Family.check_config`)."""
+"""Flux's config checks, torch-free: run before any process starts (`Family.check`)."""
 
 import glob
 import json
@@ -43,7 +43,9 @@ def image_tokens(resolution: int, scale: int) -> int:
     return (resolution // (scale * PATCH)) ** 2
 
 
-def check_config(cfg) -> None:
+def check(cfg, resolved=None, dims=None) -> None:
+    """The [flux] section and what Flux needs of the rest (its data in place of the text data's checks); the
+    architecture is the flavor's or the imported folder's (`resolved`, the launcher's, is not needed)."""
     f, t, m = cfg.flux, cfg.training, cfg.model
     from_hf = cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path
     if not m.flavor and not from_hf:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.models.flux import shapes
-from tessera.models.flux.cache import LatentCache
 from tessera.models.flux.encoders import build_conditioning, image_ids, patchify
+from tessera.models.flux.latents import LatentCache
 from tessera.models.flux.pairs import LISTERS, Pairs
 from tessera.parallel import cp
 

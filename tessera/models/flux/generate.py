@@ -17,11 +17,12 @@ from PIL import Image
 
 from tessera.checkpoint.folder import read_saved_config
 from tessera.checkpoint.hf import HFError
-from tessera.config import ConfigError, parse_args
-from tessera.generate import _checkpoint_folder, _device, from_pretrained, is_hf
+from tessera.config import ConfigError
 from tessera.models.flux.checks import PATCH, RELEASE_PARTS, autoencoder_shape
 from tessera.models.flux.data import FluxLoader
 from tessera.models.flux.sample import grid, sample
+from tessera.preflight import parse_args
+from tessera.pretrained import checkpoint_folder, from_pretrained, is_hf, pick_device
 
 N_IMAGES = 4
 
@@ -56,8 +57,8 @@ def main(argv: list[str]) -> int:
         g = cfg.generate
         source = cfg.checkpoint.initial_load_path or cfg.job.dump_folder
         hf = is_hf(source, cfg.checkpoint.initial_load_in_hf or None)
-        folder = source if hf else _checkpoint_folder(source)
-        model, _ = from_pretrained(folder, _device(g.device), hf=hf)
+        folder = source if hf else checkpoint_folder(source)
+        model, _ = from_pretrained(folder, pick_device(g.device), hf=hf)
         if type(model).__name__ != "Flux":
             raise ConfigError(f"checkpoint: '{folder}' holds no Flux model; use python -m tessera.generate")
         if not g.prompt:

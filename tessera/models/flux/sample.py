@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from tessera.models.contract import RunView
 from tessera.models.flux.data import shard_inputs
 from tessera.models.flux.encoders import unpatchify
 from tessera.parallel import cp
@@ -69,7 +70,7 @@ def grid(images: np.ndarray, cols: int = 4) -> np.ndarray:
     return out
 
 
-def evaluate(tr, last: bool) -> bool:
+def evaluate(tr: RunView, last: bool) -> bool:
     """Sample grids of the training run: all ranks step the model (FSDP and CP need them all), rank 0 writes."""
     f = tr.cfg.flux
     if not f.sample_freq or not (tr.step % f.sample_freq == 0 or last):
@@ -86,7 +87,6 @@ def evaluate(tr, last: bool) -> bool:
     path = os.path.join(tr.cfg.job.dump_folder, "samples", f"step-{tr.step:06d}.png")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     Image.fromarray(picture).resize((picture.shape[1] * 4, picture.shape[0] * 4), Image.NEAREST).save(path)
-    if tr.metrics.tb is not None:
-        tr.metrics.tb.add_image("samples", picture, tr.step, dataformats="HWC")
+    tr.image("samples", picture, tr.step)
     log.info(f"step {tr.step}: samples of {len(images)} prompts in {path}")
     return True

@@ -1,27 +1,45 @@
-"""Cross-field checks, run before any process group or file exists. Each failure is one ConfigError line."""
+"""The whole config: tessera.config's schema with each family's options mounted as its own section (`[flux]`,
+`[deepseek_v3]`), and the cross-field checks that need the rest of Tessera, run before any process group or file
+exists (each failure is one ConfigError line). The launcher (`python -m tessera.config`, which run_train.sh runs
+before starting ranks), tessera.train, estimate, plan and generate parse and check configs here."""
 
 import dataclasses
 import glob
 import json
 import logging
 import os
+import sys
 import tempfile
 
-from tessera import architecture
+from tessera import architecture, config
 from tessera.checkpoint.folder import read_saved_config, resume_point
-from tessera.config.manager import ConfigError
-from tessera.config.sections import (
-    FLOAT8_CONVERTER as FLOAT8,
-    LOADABLE_PARTS,
-    MX_CONVERTER as MX,
-    MX_RECIPES,
-    JobConfig,
-)
+from tessera.config import ConfigError
+from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
 log = logging.getLogger("tessera")
+
+JobConfig = mount({name: family(name).options for name in FAMILIES if family(name).options is not None}, FAMILIES,
+                  __name__)
+Model = JobConfig.__dataclass_fields__["model"].type  # model.name chooses among the families (pickled by this name)
+# Options a family took over from the shared sections: {old key: new key}, read where they are now, with a warning.
+MOVED = {old: f"{name}.{new}" for name in FAMILIES for old, new in family(name).moved_options.items()}
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """defaults < --job.config_file TOML < CLI flags, the families' sections included."""
+    return config.parse_args(argv, JobConfig, MOVED)
+
+
+def help_text() -> str:
+    return config.help_text(JobConfig)
+
+
+def markdown_reference() -> str:
+    """docs/config-reference.md: every section, the families' included."""
+    return config.markdown_reference(JobConfig)
 
 
 def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -39,9 +57,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
-    if family(m.name).check_config is not None:  # a family with its own data checks it
-        _check_family_config(cfg)
-    else:
+    if not family(m.name).own_data:  # a family with its own data checks it in its check
         _check_data(cfg)
     _check_experts(cfg, args)
     try:
@@ -52,6 +68,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
+    _check_family(cfg, args, dims)
     _check_layout(cfg, args, dims)
     _check_data_files(cfg, dims)
     if dims.pp > 1:
@@ -205,7 +222,7 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     from tessera.data.sample import RunReads
 
     t = cfg.training
-    if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).check_config is not None:
+    if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).own_data:
         return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
@@ -214,9 +231,12 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable, t.max_bad_records, reads)
 
 
-def _check_family_config(cfg: JobConfig) -> None:
+def _check_family(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """The family's own check of its section and of what it needs of the rest (`Family.check`)."""
+    check = family(cfg.model.name).check
     try:
-        family(cfg.model.name).check_config(cfg)
+        if check is not None:
+            check(cfg, args, dims)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -234,10 +254,6 @@ def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if moe is not None and cfg.moe.aux_loss_coef and (dims.tp > 1 or dims.cp > 1):
         raise ConfigError("moe.aux_loss_coef: the sequence-wise balancing loss needs each rank to hold whole "
                           "sequences, which TP and CP ranks do not; use moe.load_balance_rate (aux-loss-free) there")
-    if getattr(args, "n_mtp", 0) and cfg.training.mtp_loss_weight and (dims.tp > 1 or dims.cp > 1 or dims.pp > 1):
-        raise ConfigError("training.mtp_loss_weight: multi-token prediction runs on whole sequences, after the "
-                          "last block and beside the input embedding, which TP, CP and PP ranks do not hold yet; set "
-                          "it to 0 there (the depths stay in the model and its checkpoints, untrained)")
     if dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel and not (_has_cuda() and cfg.compile.enable):
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA and compile.enable = true "
                           "(it is an inductor pass over NCCL symmetric memory); turn it off here")
@@ -262,8 +278,11 @@ def check_vocab(cfg: JobConfig, vocab_size: int, tokenizer_vocab: int, tp: int) 
 
 
 def _has_cuda() -> bool:
-    import shutil
-    return shutil.which("nvidia-smi") is not None
+    """Asked of torch (imported only for the options that need a GPU): a driver and a device it can use, not a
+    tool on PATH."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
@@ -337,3 +356,27 @@ def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.training.enable_cpu_offload and dims.dp == 1:
         raise ConfigError("training.enable_cpu_offload: offloads FSDP's shards, so it needs a data-parallel degree "
                           "> 1 (data_parallel_shard_degree or replicate)")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tessera.config [--world-size N] [flags]`: check only, for launch scripts (no torch import): exit
+    status 0 when the config is valid, 2 with one line on stderr when not."""
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print(f"tessera: --world-size: expected a positive integer (NGPU x nodes), got {argv[1:2]}",
+                  file=sys.stderr)
+            return 2
+        world_size, argv = int(argv[1]), argv[2:]
+    if argv == ["--markdown"]:
+        print(markdown_reference())
+        return 0
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        validate(parse_args(argv), world_size)
+    except ConfigError as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    return 0
