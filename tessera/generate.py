@@ -10,6 +10,7 @@ Hugging Face folder. Its architecture is what the checkpoint records (or config.
 `model.hf_assets_path`, else the checkpoint's, else the HF folder's own tokenizer.json, else bytes.
 """
 
+import contextlib
 import importlib
 import json
 import logging
@@ -100,8 +101,11 @@ def main(argv: list[str]) -> int:
         source = c.initial_load_path or cfg.job.dump_folder
         if (own := _family_generate(source, c.initial_load_in_hf)) is not None:
             return own(argv)
-        model, tokenizer = from_pretrained(source, pick_device(g.device), hf=c.initial_load_in_hf or None,
-                                           max_seq_len=None, hf_assets_path=cfg.model.hf_assets_path)
+        # Its output is stdout: what loading logs goes to stderr, also where a run earlier in this process set up
+        # the tessera logger on stdout.
+        with contextlib.redirect_stdout(sys.stderr):
+            model, tokenizer = from_pretrained(source, pick_device(g.device), hf=c.initial_load_in_hf or None,
+                                               max_seq_len=None, hf_assets_path=cfg.model.hf_assets_path)
         prompt = _prompt(g, tokenizer)
         if max(prompt) >= model.args.vocab_size:
             raise ConfigError(f"generate.prompt_ids: id {max(prompt)} is past the model's vocabulary "

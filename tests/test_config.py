@@ -430,3 +430,37 @@ def test_big_configs_at_their_world_size(tmp_path, name):
                                                                           p.tensor_parallel_degree,
                                                                           p.pipeline_parallel_degree,
                                                                           p.expert_parallel_degree, world)
+
+
+def test_an_older_config_loads_with_one_line_per_moved_or_removed_option(tmp_path, caplog):
+    """Options a family took over are read where they are now, an option that is gone is ignored: one warning
+    line each, naming the old key and the new one (a checkpoint's saved config.toml loads the same way)."""
+    import logging
+
+    old = tmp_path / "old.toml"
+    old.write_text('[model]\nname = "deepseek_v3"\n\n[training]\nmtp_loss_weight = 0.1\n\n[parallelism]\n'
+                   'context_parallel_rotate_method = "allgather"\n')
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        cfg = parse_args(["--job.config_file", str(old)])
+    assert cfg.deepseek_v3.mtp_loss_weight == 0.1
+    assert [r.getMessage() for r in caplog.records if r.name == "tessera"] == [
+        f"training.mtp_loss_weight (in {old}) has moved to deepseek_v3.mtp_loss_weight; read as that (rename it)",
+        f"parallelism.context_parallel_rotate_method (in {old}) is ignored: context parallelism gathers the other "
+        f"ranks' keys and values (allgather, its only method); remove the key"]
+    cfg = parse_args(["--training.mtp_loss_weight", "0.2", "--parallelism.context_parallel_rotate_method",
+                      "allgather", "--training.steps", "3"])
+    assert (cfg.deepseek_v3.mtp_loss_weight, cfg.training.steps) == (0.2, 3)
+    saved = tomllib.loads(to_toml(cfg))
+    assert saved["deepseek_v3"] == {"mtp_loss_weight": 0.2} and "mtp_loss_weight" not in saved["training"]
+    with pytest.raises(ConfigError, match=r"^--training.mtp_loss_weight is given twice on the command line"):
+        parse_args(["--deepseek_v3.mtp_loss_weight", "0.1", "--training.mtp_loss_weight", "0.2"])
+
+
+def test_each_familys_options_are_its_own_section_in_help_and_in_the_saved_config():
+    text = help_text()
+    assert "[flux]" in text and "[deepseek_v3]" in text and "  --deepseek_v3.mtp_loss_weight" in text
+    assert "--training.mtp_loss_weight" not in text and "context_parallel_rotate_method" not in text
+    saved = tomllib.loads(to_toml(parse_args(["--model.name", "flux"])))
+    assert saved["flux"]["resolution"] == 16 and saved["deepseek_v3"] == {"mtp_loss_weight": 0.3}
+    with pytest.raises(ConfigError, match=r"^model.name \(on the command line\): 'nope' is not one of llama3, "):
+        parse_args(["--model.name", "nope"])
