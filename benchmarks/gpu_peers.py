@@ -115,7 +115,6 @@ def llama_args(flavor: str, seq_len: int, vocab: int | None):
 def run_plain(flavor: str, config: str, seq_len: int, batch: int, warmup: int, steps: int,
               device: torch.device) -> dict:
     from tessera.models.common.decoder import Decoder as Transformer
-
     from tessera.parallel.init import materialize
 
     args = llama_args(flavor, seq_len, 256)
