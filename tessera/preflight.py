@@ -7,6 +7,7 @@ import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -88,11 +89,23 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
                           "compile off")
     if cfg.compile.enable and set(cfg.compile.components) - {"model", "loss"}:
         raise ConfigError(f"compile.components: {cfg.compile.components} may only hold 'model' and 'loss'")
+    _check_muon(cfg)
     if cfg.metrics.live_memory and cfg.compile.enable:
         raise ConfigError("metrics.live_memory: counts every op with a dispatch mode, which torch.compile does not "
                           "trace; measure with compile.enable = false (tessera.estimate traces compiled blocks "
                           "eagerly too)")
     return dims
+
+
+def _check_muon(cfg: JobConfig) -> None:
+    coefficients = cfg.optimizer.muon_ns_coefficients.split(",")
+    try:
+        ok = len(coefficients) == 3 and all(math.isfinite(float(c)) for c in coefficients)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"optimizer.muon_ns_coefficients: '{cfg.optimizer.muon_ns_coefficients}' is not three "
+                          f"finite numbers a,b,c; e.g. 3.4445,-4.7750,2.0315")
 
 
 def _writable_folder(key: str, path: str) -> None:

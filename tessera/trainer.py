@@ -26,6 +26,7 @@ from tessera.parallel.compile import compile_loss
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
+from tessera.param_groups import param_role
 from tessera.preflight import check_vocab
 
 log = logging.getLogger("tessera")
@@ -233,7 +234,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
     loss = training_loss(cfg, world, spec.loss or loss_fn)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    optimizer = build_optimizer(model, cfg.optimizer, param_role(models.family(cfg.model.name), spec.blocks))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how

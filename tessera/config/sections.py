@@ -47,7 +47,8 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    name: str = opt("AdamW", "optimizer; Muon: Muon for the blocks' weight matrices (and experts'), AdamW (lr, "
+                    "betas, eps, weight_decay) for the rest", choices=("AdamW", "Adam", "Muon"))
     lr: float = opt(8e-4, "peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1", min=0.0, below=1.0)
     beta2: float = opt(0.95, "Adam beta2", min=0.0, below=1.0)
@@ -55,6 +56,21 @@ class Optimizer:
     weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
     implementation: str = opt("auto", "auto = fused (the fastest on CUDA and CPU)",
                               choices=("auto", "fused", "foreach", "for-loop"))
+    weight_decay_exclude: bool = opt(False, "no weight decay on norms, biases (1-D parameters) and the input "
+                                     "embedding (a tied output head with it); off by default, as turning it on "
+                                     "changes what a config with weight_decay > 0 trains")
+    embedding_lr_multiplier: float = opt(1.0, "the input embedding's lr is optimizer.lr times this (a tied output "
+                                         "head with it)", min=0.0)
+    output_lr_multiplier: float = opt(1.0, "the output head's lr is optimizer.lr times this", min=0.0)
+    muon_momentum: float = opt(0.95, "Muon: momentum of the gradient average", min=0.0, below=1.0)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations orthogonalizing each update", min=1, max=99)
+    muon_ns_coefficients: str = opt("3.4445,-4.7750,2.0315", "Muon: the quintic iteration's coefficients a,b,c")
+    muon_ns_dtype: str = opt("bfloat16", "Muon: dtype of the Newton-Schulz iteration (float32: bit-for-bit "
+                             "parity checks)", choices=("bfloat16", "float32"))
+    muon_update_scale: str = opt("match_rms_adamw", "Muon: lr factor per matrix [rows, cols]: match_rms_adamw = "
+                                 "0.2 sqrt(max(rows, cols)), the update RMS of AdamW (its lr carries over); original "
+                                 "= sqrt(max(1, rows/cols)); none = 1", choices=("match_rms_adamw", "original", "none"))
 
 
 @dataclass

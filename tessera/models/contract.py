@@ -88,6 +88,9 @@ class Family:
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
     hf_model_type: str  # config.json's model_type (transformers), or _class_name (diffusers)
+    output: str = "output.weight"  # the output head's parameter (optimizer.output_lr_multiplier)
+    param_role: Callable[[str, tuple[int, ...]], str | None] | None = None  # (name, shape) -> an optimizer role
+    # (tessera.param_groups.ROLES) where the family's differs from the rules on names and shapes; None: the rules'
     options: type | None = None  # its own options: a dataclass of tessera.config.sections.opt fields, mounted as
     # the config section named after the family ([flux]), shown by --help and saved in each run's config.toml
     check: Callable[[Any, Any, Any], None] | None = None  # (cfg, args, dims): its checks of its section and of what

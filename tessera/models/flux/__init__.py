@@ -41,6 +41,7 @@ def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
 
 
 FAMILY = Family(name="flux", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(), hf=hf, counts=counts,
-                check_layout=check_layout, embedding="x_embedder.weight", high_precision=("proj_out",),
+                check_layout=check_layout, embedding="x_embedder.weight", output="proj_out.weight",
+                high_precision=("proj_out",),
                 torch_side="tessera.models.flux.spec:SPEC", hf_model_type=hf.CLASS_NAME,
                 options=FluxOptions, check=check, own_data=True)
