@@ -14,6 +14,7 @@ iteration and coefficients, batched here over stacked experts, in a configurable
 for parity tests, where bf16 rounding would amplify the last-bit differences sharded matmuls give).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -190,14 +191,25 @@ class Muon(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.param_groups
-        try:  # AdamW's own step over its groups
-            self.param_groups = [g for g in groups if not g.get("muon")]
+        with self._adamw_groups():
             super().step()
+        self._muon_step([g for g in self.param_groups if g.get("muon")])
+        return loss
+
+    @contextlib.contextmanager
+    def _adamw_groups(self):
+        """AdamW's methods see only its groups (the Muon ones have no Adam state)."""
+        groups = self.param_groups
+        try:
+            self.param_groups = [g for g in groups if not g.get("muon")]
+            yield
         finally:
             self.param_groups = groups
-        self._muon_step([g for g in groups if g.get("muon")])
-        return loss
+
+    def __setstate__(self, state):  # load_state_dict: AdamW's defaults and step tensors for its own groups only
+        torch.optim.Optimizer.__setstate__(self, state)
+        with self._adamw_groups():
+            super().__setstate__({"state": self.state, "param_groups": self.param_groups})
 
     def _muon_step(self, groups: list[dict]) -> None:
         cfg = self.settings
