@@ -15,8 +15,8 @@ from tessera.muon import Muon, MuonSettings, orthogonalize
 from tessera.optim import build_optimizer
 from tessera.param_groups import param_role
 from tests.dist_worker import run_train
-from tests.test_checkpoint import CKPT, _params_equal
 from tests.launch import resume_copy
+from tests.test_checkpoint import CKPT, _params_equal
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 CUBIC = (1.5, -0.5, 0.0)  # the classic Newton-Schulz step: converges to U V^T
