@@ -13,9 +13,7 @@ combine, the count exchange; forward and backward) against the step's.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import smoke_option, write_json  # noqa: E402
+from common import run_worker, smoke_option, write_json  # noqa: E402
 
 # The backends' own spans of an all-to-all: from its start to the data being there (the wait on peers included).
 A2A_EVENTS = ("gloo:all_to_all", "nccl:all_to_all")
@@ -103,15 +101,8 @@ def worker(a) -> None:
 
 
 def run(ranks: int, ep: int, a) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
-               "--worker", str(out), "--worker_ep", str(ep), "--seq_len", str(a.seq_len), "--steps", str(a.steps)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode:
-            sys.exit(f"{ranks} ranks, EP {ep} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    return run_worker(__file__, ranks, ["--worker_ep", str(ep), "--seq_len", str(a.seq_len), "--steps", str(a.steps)],
+                      f"{ranks} ranks, EP {ep}")
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 debug model and the built-in corpus, each at the best learning rate of a small grid; (b) the optimizer step's
 time and the share of it spent communicating under FSDP 2 and 4.
 
-    python benchmarks/bench_optim.py [--flavor debugmodel] [--steps 300] [--lrs 1e-3,3e-3,1e-2]
+    python benchmarks/bench_optim.py [--flavor tiny] [--steps 300] [--lrs 1e-3,3e-3,1e-2,3e-2]
                                      [--fsdp 2,4] [--out benchmarks/results/optim.json]
 
 (a) llama3 `--flavor`, one process, the same seed and data for every run; the loss reached is the mean training
@@ -15,9 +15,7 @@ AdamW steps on its shards without communicating).
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import write_json  # noqa: E402
+from common import run_worker, write_json  # noqa: E402
 
 COMM_EVENTS = ("gloo:all_to_all", "nccl:all_to_all", "gloo:all_reduce", "nccl:all_reduce")
 OPTIMIZERS = {"AdamW": ["--optimizer.name", "AdamW"], "Muon": ["--optimizer.name", "Muon"]}
@@ -63,6 +61,23 @@ def loss_grid(a) -> dict:
             "best": {name: {"lr": float(lr), "loss": loss} for name, (lr, loss) in best.items()}}
 
 
+def timing(optimizer) -> list[float]:
+    """Times each optimizer.step() from here on, all ranks starting together; returns the list it fills."""
+    import torch.distributed as dist
+
+    step, seconds = optimizer.step, []
+
+    def timed_step(*args, **kwargs):
+        dist.barrier()
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    optimizer.step = timed_step
+    return seconds
+
+
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
@@ -79,16 +94,7 @@ def worker(a) -> None:
         with tempfile.TemporaryDirectory() as dump:
             cfg = parse_args([*flags(a, name, 1e-3, a.timed + 2), "--job.dump_folder", dump])
             tr = build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
-            step, seconds = tr.optimizer.step, []
-
-            def timed_step(*args, **kwargs):
-                dist.barrier()
-                start = time.perf_counter()
-                out = step(*args, **kwargs)
-                seconds.append(time.perf_counter() - start)
-                return out
-
-            tr.optimizer.step = timed_step
+            seconds = timing(tr.optimizer)
             train_step(tr)  # the first step learns each matrix's layout: untimed
             seconds.clear()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -107,25 +113,17 @@ def worker(a) -> None:
 
 
 def fsdp_times(ranks: int, a) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
-               "--worker", str(out), "--flavor", a.flavor, "--seq_len", str(a.seq_len), "--batch", str(a.batch),
-               "--timed", str(a.timed)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode:
-            sys.exit(f"FSDP {ranks} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    return run_worker(__file__, ranks, ["--flavor", a.flavor, "--seq_len", str(a.seq_len), "--batch", str(a.batch),
+                                        "--timed", str(a.timed)], f"FSDP {ranks}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--flavor", default="tiny", help="llama3 flavor (debugmodel: 20x the compute per token)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="the learning-rate grid, for both optimizers")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2", help="the learning-rate grid, for both optimizers")
     p.add_argument("--fsdp", default="2,4", help="FSDP degrees timed (each on as many ranks); empty = none")
     p.add_argument("--timed", type=int, default=5, help="optimizer steps timed per FSDP run")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/optim.json"))

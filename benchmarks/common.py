@@ -70,6 +70,21 @@ def tessera_argv(flavor: str, seq_len: int, batch: int, steps: int, lr: float = 
     return argv + (["--training.mixed_precision_param", "bfloat16"] if torch.cuda.is_available() else [])
 
 
+def run_worker(script: str, ranks: int, args: list[str], label: str) -> dict:
+    """`script --worker OUT.json *args` under torchrun on `ranks` ranks, one thread each; the JSON it wrote."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
+               "--worker", str(out), *args]
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode:
+            sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
 def make_trainer(argv: list[str]) -> Trainer:
     """A one-process trainer from flags, writing to a temporary folder; keeps this process's thread count."""
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # one process, whatever launched us

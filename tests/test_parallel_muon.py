@@ -7,6 +7,7 @@ import torch
 from tests.dist_worker import run_train
 from tests.launch import resume_copy, run_cases
 from tests.test_checkpoint import CKPT
+from tests.test_speed_features import F8, LOW_PRECISION_TOL
 
 STEPS, TOL = 4, 1e-5
 MUON = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--optimizer.name", "Muon",
@@ -34,17 +35,24 @@ def assert_same_run(got: dict, ref: dict, steps) -> None:
 
 def test_muon_fsdp_tp_hsdp_ep_pp_and_resharded_resume_equal_one_process(tmp_path):
     """4 ranks: FSDP 2 x TP 2, HSDP 2 x FSDP 2, EP 2 x FSDP 2 (dense sharded 4 ways), PP 2 x FSDP 2 x EP 2; then the
-    one-process run's step-2 checkpoint resumed under EP 2 x TP 2."""
+    one-process run's step-2 checkpoint resumed under EP 2 x TP 2; then float8 (emulated) with FSDP float8
+    all-gathers, whose weights are torchao wrapper tensors Muon steps through, against one process in high
+    precision (within float8's rounding, as tests/test_speed_features.py)."""
     one = run_train(case(tmp_path / "one", 8), STEPS)
+    dense = ["--optimizer.name", "Muon", "--training.local_batch_size", "2"]
+    dense_one = run_train([*dense[:2], "--training.local_batch_size", "8"], STEPS)
     cases = [case(tmp_path / "tp", 4, *TP), case(tmp_path / "hsdp", 2, "--parallelism.data_parallel_replicate_degree",
                                                  "2"),
              case(tmp_path / "ep", 2, *EP), case(tmp_path / "pp", 4, *PP, *EP),
-             case(resume_copy(tmp_path / "one", tmp_path / "resumed", 2), 4, *EP, *TP)]
-    *layouts, resumed = run_cases(4, tmp_path, cases, STEPS, mode="train")
+             case(resume_copy(tmp_path / "one", tmp_path / "resumed", 2), 4, *EP, *TP),
+             [*dense, *F8, "--quantize.linear.float8.enable_fsdp_float8_all_gather"]]
+    *layouts, resumed, float8 = run_cases(4, tmp_path, cases, STEPS, mode="train")
     for got in layouts:
         assert_same_run(got, one, range(1, STEPS + 1))
     assert resumed["start"] == 2
     assert_same_run(resumed, one, range(3, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert abs(float8["losses"][step] - dense_one["losses"][step]) < LOW_PRECISION_TOL
 
 
 def test_muon_8_ranks_pp_x_tp_x_fsdp_x_ep(tmp_path):
