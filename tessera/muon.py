@@ -102,9 +102,10 @@ class ShardGroup:
         index = tuple(slice(None) if axis in axes else coords[axis] for axis in range(mesh.ndim))
         self.ranks = mesh.mesh[index].flatten().tolist()
         self.group = mesh.get_group(axes[0]) if len(axes) == 1 else self._new_group(self.ranks)
-        self.me = self.ranks.index(dist.get_rank())
-        self.where: dict[int, torch.Tensor] = {}  # my matrix's slot -> each gathered element's flat index in it
+        self.me = dist.get_rank(self.group)  # the group's order (new_group's: sorted) is the all-to-all's
+        self.where: dict[int, torch.Tensor | None] = {}  # my matrix's slot -> each gathered element's flat index
         self.sizes: list[list[int]] | None = None  # [rank][slot]: how many elements of the matrix the rank holds
+        self.ids: list[int] = []  # the parameters the layout was learned for
 
     @classmethod
     def _new_group(cls, ranks: list[int]) -> dist.ProcessGroup:
@@ -140,10 +141,13 @@ class ShardGroup:
         dist.all_reduce(sizes, group=self.group)  # small: every rank's shard sizes
         self.sizes = sizes.tolist()
         self.mine = [s for s in range(len(params)) if self.owner(s) == self.me]
+        self.where = {}
         indices = [distribute_tensor(torch.arange(p.numel(), device=shards[0].device).view(p.shape), p.device_mesh,
                                      p.placements, src_data_rank=None).to_local() for p in params]
         for slot, whole in zip(self.mine, self._gather(indices), strict=True):
-            self.where[slot] = whole
+            # Kept only when the shards are not whole row blocks in rank order (TP's column split, strided shards)
+            in_order = torch.equal(whole, torch.arange(whole.numel(), device=whole.device))
+            self.where[slot] = None if in_order else whole
 
     def _gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """My matrices, flat, each rank's shard after the other (in the order _learn_layout's indices came)."""
@@ -155,15 +159,18 @@ class ShardGroup:
     def orthogonalize(self, params: list[DTensor], updates: list[torch.Tensor],
                       cfg: MuonSettings) -> list[torch.Tensor]:
         """This rank's shard of the orthogonalized update of each parameter, given its shard of each update."""
-        if self.sizes is None:
+        if self.sizes is None or self.ids != [id(p) for p in params]:  # the same parameters each step, normally
+            self.ids = [id(p) for p in params]
             self._learn_layout(params, updates)
         outgoing: list[list[torch.Tensor]] = [[] for _ in self.ranks]
         for slot, received in zip(self.mine, self._gather(updates), strict=True):
             where = self.where[slot]
-            whole = torch.empty_like(received)
-            whole[where] = received
-            done = orthogonalize_stack(whole.view(params[slot].shape), cfg)
-            back = done.to(received.dtype).reshape(-1)[where]  # in the order the shards came
+            whole = received
+            if where is not None:
+                whole = torch.empty_like(received)
+                whole[where] = received
+            done = orthogonalize_stack(whole.view(params[slot].shape), cfg).to(received.dtype).reshape(-1)
+            back = done if where is None else done[where]  # in the order the shards came
             for r, piece in enumerate(back.split([row[slot] for row in self.sizes])):
                 outgoing[r].append(piece)
         recv_sizes = [sum(self.sizes[self.me][s] for s in range(len(params)) if self.owner(s) == r)
