@@ -2,7 +2,7 @@
 debug model and the built-in corpus, each at the best learning rate of a small grid; (b) the optimizer step's
 time and the share of it spent communicating under FSDP 2 and 4.
 
-    python benchmarks/bench_optim.py [--flavor tiny] [--steps 300] [--lrs 1e-3,3e-3,1e-2,3e-2]
+    python benchmarks/bench_optim.py [--flavor tiny] [--steps 300] [--lrs 1e-3,3e-3,1e-2,3e-2,1e-1]
                                      [--fsdp 2,4] [--out benchmarks/results/optim.json]
 
 (a) llama3 `--flavor`, one process, the same seed and data for every run; the loss reached is the mean training
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2", help="the learning-rate grid, for both optimizers")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="the learning-rate grid, for both optimizers")
     p.add_argument("--fsdp", default="2,4", help="FSDP degrees timed (each on as many ranks); empty = none")
     p.add_argument("--timed", type=int, default=5, help="optimizer steps timed per FSDP run")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/optim.json"))
