@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import run_worker, write_json  # noqa: E402
+from common import run_worker, smoke_option, write_json  # noqa: E402
 
 COMM_EVENTS = ("gloo:all_to_all", "nccl:all_to_all", "gloo:all_reduce", "nccl:all_reduce")
 OPTIMIZERS = {"AdamW": ["--optimizer.name", "AdamW"], "Muon": ["--optimizer.name", "Muon"]}
@@ -128,12 +128,8 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=5, help="optimizer steps timed per FSDP run")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/optim.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, FSDP 2 only, JSON to a temporary "
-                   "file: checks that the script runs (its numbers mean nothing)")
+    smoke_option(p, flavor="tiny", steps=4, seq_len=32, batch=2, lrs="3e-3", fsdp="2", timed=2)
     a = p.parse_args()
-    if a.smoke:
-        a.flavor, a.steps, a.seq_len, a.batch, a.lrs, a.fsdp, a.timed = "tiny", 4, 32, 2, "3e-3", "2", 2
-        a.out = str(Path(tempfile.gettempdir(), "tessera-smoke", "optim.json"))
     if a.worker:
         return worker(a)
     result = {"model": f"llama3 {a.flavor}", "loss": loss_grid(a), "fsdp": []}

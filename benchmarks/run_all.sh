@@ -16,7 +16,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
         echo "== bench_$script.py --smoke"
         $PY benchmarks/bench_$script.py --smoke --out "$OUT/$script.json"
     done
-    $PY benchmarks/summary.py --results "$OUT"
+    echo; echo "== Muon vs AdamW: loss after the same tokens (each at its best lr of a grid), optimizer step at FSDP 2 and 4"
+$PY benchmarks/bench_optim.py --out "$OUT/optim.json"
+$PY benchmarks/summary.py --results "$OUT"
     exit
 fi
 OUT=${OUT:-benchmarks/results}
@@ -36,4 +38,6 @@ echo; echo "== prepared (pre-tokenized) data vs the streaming loader at DP 1, 8,
 $PY benchmarks/bench_prepared.py --out "$OUT/prepared.json"
 echo; echo "== mixture of experts: grouped GEMMs vs loop, EP dispatch share at EP 2 and 4"
 $PY benchmarks/bench_moe.py --out "$OUT/moe.json"
+echo; echo "== Muon vs AdamW: loss after the same tokens (each at its best lr of a grid), optimizer step at FSDP 2 and 4"
+$PY benchmarks/bench_optim.py --out "$OUT/optim.json"
 $PY benchmarks/summary.py --results "$OUT"
