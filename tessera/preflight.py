@@ -152,11 +152,30 @@ def _check_resume(cfg: JobConfig):
         step, path, _ = resume
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_data(cfg, path, read_saved_config(path).get("training", {}))
+        if "optimizer" not in cfg.checkpoint.exclude_from_loading:
+            _check_resumed_optimizer(cfg, path, read_saved_config(path).get("optimizer", {}))
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
     return architecture.resolve(cfg, None, resume[1] if resume else None)
+
+
+# [optimizer] settings that decide the optimizer's state (Muon's momentum or Adam's moments per matrix) and its
+# parameter groups (their lr and weight decay are saved with them): a checkpoint's state loads only into the same.
+OPTIMIZER_STATE = ("weight_decay_exclude", "embedding_lr_multiplier", "output_lr_multiplier")
+
+
+def _check_resumed_optimizer(cfg: JobConfig, path: str, saved: dict) -> None:
+    ours, defaults = dataclasses.asdict(cfg.optimizer), dataclasses.asdict(type(cfg.optimizer)())
+    theirs = {key: saved.get(key, defaults[key]) for key in ("name", *OPTIMIZER_STATE)}  # older configs: defaults
+    changed = [key for key in OPTIMIZER_STATE if ours[key] != theirs[key]]
+    if (ours["name"] == "Muon") != (theirs["name"] == "Muon"):
+        changed.insert(0, "name")
+    for key in changed[:1]:
+        raise ConfigError(f"optimizer.{key}: {ours[key]!r}, but the optimizer state of the checkpoint at {path} is "
+                          f"{theirs['name']}'s with {key} = {theirs[key]!r}; set it back to resume, or add optimizer "
+                          f"and lr_scheduler to checkpoint.exclude_from_loading to start the optimizer afresh")
 
 
 # What a checkpoint's data position (a count of global samples) is a position in: other values of these settings

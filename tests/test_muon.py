@@ -133,3 +133,12 @@ def test_exact_resume_under_muon(tmp_path):
     resumed = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "full", tmp_path / "r", 2)), *ckpt], 4)
     assert resumed["start"] == 2 and resumed["losses"] == {s: full["losses"][s] for s in (3, 4)}
     _params_equal(resumed["params"], full["params"])  # bit for bit: momentum buffers and Adam moments restored
+    # Another optimizer state or other groups do not load into this one: refused before any rank starts.
+    for flags, line in (([], r"^optimizer.name: 'AdamW', but the optimizer state of the checkpoint at .*step-4 is "
+                              r"Muon's with name = 'Muon'; set it back to resume, or add optimizer and lr_scheduler"),
+                        (MUON[:-1] + ["1"],
+                         r"^optimizer.embedding_lr_multiplier: 1.0, but the optimizer state .* is Muon's with "
+                         r"embedding_lr_multiplier = 2.0;")):
+        with pytest.raises(ConfigError, match=line):
+            validate(parse_args([*CKPT, "--job.dump_folder", str(tmp_path / "full"), "--model.flavor", "tiny",
+                                 "--training.seq_len", "32", *flags]), 1)
