@@ -54,7 +54,7 @@ def settings(role: str, cfg: Optimizer) -> Settings:
 
 def param_groups(model: nn.Module, cfg: Optimizer, role: Callable[[str, tuple[int, ...]], str]) -> list[dict]:
     """The optimizer's groups, each {"params", "lr", "weight_decay", "muon"} (lr: optimizer.lr x multiplier),
-    in the order their first parameter comes; logs each group's roles and size."""
+    those at optimizer.lr first, else in the order their first parameter comes; logs each group's roles and size."""
     groups: dict[Settings, dict] = {}
     for name, p in model.named_parameters():
         kind = role(bare_name(name), tuple(p.shape))
@@ -64,7 +64,8 @@ def param_groups(model: nn.Module, cfg: Optimizer, role: Callable[[str, tuple[in
         group["roles"][kind] = group["roles"].get(kind, 0) + 1
         group["numel"] += p.numel()
     out = []
-    for s, group in groups.items():
+    # Groups at optimizer.lr first: the lr the metrics log is the first group's.
+    for s, group in sorted(groups.items(), key=lambda item: item[0].lr_multiplier != 1.0):
         roles = ", ".join(f"{n} {k}" for k, n in group["roles"].items())
         log.info(f"optimizer group: {'Muon' if s.muon else cfg.name if cfg.name != 'Muon' else 'AdamW'}, "
                  f"lr x{s.lr_multiplier:g}, weight decay {s.weight_decay:g}: {roles} "

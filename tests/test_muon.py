@@ -93,6 +93,7 @@ def test_param_groups_by_role_and_one_group_by_default(caplog):
         groups = _groups("llama3", "tiny", "--optimizer.name", "Muon", "--optimizer.weight_decay_exclude",
                          "--optimizer.embedding_lr_multiplier", "2", "--optimizer.output_lr_multiplier", "0.5",
                          "--optimizer.lr", "1e-3")
+    assert groups[0]["lr"] == 1e-3  # the lr logged is the first group's: optimizer.lr
     by_first = {g["names"][0]: g for g in groups}
     embedding, vectors, matrices, output = (by_first[n] for n in ("tok_embeddings.weight", "layers.0.attention_norm."
                                                                   "weight", "layers.0.attention.wq.weight",
@@ -104,7 +105,7 @@ def test_param_groups_by_role_and_one_group_by_default(caplog):
     assert "optimizer group: Muon, lr x1, weight decay 0.1: 14 matrix (14 tensors, 98,304 parameters)" in caplog.text
     # Tied embeddings (Qwen 3 0.6B): one group for the weight that is both; experts' matrices go to Muon.
     tied = _groups("qwen3", "0.6B", "--optimizer.embedding_lr_multiplier", "3", "--optimizer.output_lr_multiplier", "2")
-    assert [g["names"] for g in tied if g["lr"] != 8e-4] == [["tok_embeddings.weight"]] and tied[0]["lr"] == 3 * 8e-4
+    assert [(g["names"], g["lr"]) for g in tied if g["lr"] != 8e-4] == [(["tok_embeddings.weight"], 3 * 8e-4)]
     moe = _groups("qwen3_moe", "debugmodel_moe", "--optimizer.name", "Muon")
     muon_names = next(g["names"] for g in moe if g["muon"])
     assert "layers.0.feed_forward.experts.w1" in muon_names and "layers.0.feed_forward.router.gate.weight" in muon_names
