@@ -1,11 +1,12 @@
 """Optimizer parameter groups, by rules on parameter names and shapes that a family may refine.
 
-Each parameter gets a role: "embedding" (the family's input embedding; a tied output head is the same tensor, so
-one group holds it), "output" (the output head), "vector" (norms, biases: under 2 dims), "matrix" (a weight
-matrix, or a stack of experts' matrices, of the block stacks), "other" (any other matrix). Options of
-[optimizer] turn roles into groups: weight decay off for embedding and vectors, lr multipliers for the
-embedding and the output head, and with Muon, the matrices go to Muon. Roles that get the same settings share
-one group, so a config using none of this has the single group it always had (and its checkpoints load).
+Each parameter gets a role: "embedding" (the family's input embedding; a tied output head is the same tensor,
+so one group holds it), "output" (the output head), "vector" (norms and biases: under 2 dims, or named *bias, as
+GPT-OSS's stacked expert biases), "matrix" (a weight matrix, or a stack of experts' matrices, of the block
+stacks), "other" (any other matrix). Options of [optimizer] turn roles into groups: weight decay off for the
+embedding and vectors, lr multipliers for the embedding and the output head, and with Muon, the matrices go to
+Muon. Roles that get the same settings share one group, so a config using none of this has the single group it
+always had (and its checkpoints load).
 """
 
 import logging
@@ -26,7 +27,7 @@ def default_role(name: str, shape: tuple[int, ...], embedding: str, output: str,
         return "embedding"
     if name == output:
         return "output"
-    if len(shape) < 2:
+    if len(shape) < 2 or name.endswith("bias"):  # a stack of experts' biases (GPT-OSS w1_bias) is no matrix
         return "vector"
     return "matrix" if name.split(".")[0] in blocks else "other"
 

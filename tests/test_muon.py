@@ -109,6 +109,8 @@ def test_param_groups_by_role_and_one_group_by_default(caplog):
     moe = _groups("qwen3_moe", "debugmodel_moe", "--optimizer.name", "Muon")
     muon_names = next(g["names"] for g in moe if g["muon"])
     assert "layers.0.feed_forward.experts.w1" in muon_names and "layers.0.feed_forward.router.gate.weight" in muon_names
+    gpt_oss = _groups("gpt_oss", "debugmodel", "--optimizer.name", "Muon")  # stacked expert biases are no matrices
+    assert not any(n.endswith("bias") for g in gpt_oss if g["muon"] for n in g["names"])
 
 
 def test_family_refines_roles(monkeypatch):
