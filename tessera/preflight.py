@@ -106,6 +106,9 @@ def _check_muon(cfg: JobConfig) -> None:
     if not ok:
         raise ConfigError(f"optimizer.muon_ns_coefficients: '{cfg.optimizer.muon_ns_coefficients}' is not three "
                           f"finite numbers a,b,c; e.g. 3.4445,-4.7750,2.0315")
+    if cfg.optimizer.name == "Muon" and cfg.training.enable_cpu_offload:
+        raise ConfigError("optimizer.name: Muon sends matrix shards between ranks' devices at each step, and "
+                          "training.enable_cpu_offload keeps them in host memory; use AdamW with CPU offload")
 
 
 def _writable_folder(key: str, path: str) -> None:

@@ -121,9 +121,11 @@ def test_family_refines_roles(monkeypatch):
     assert all(not n.endswith("wo.weight") for g in groups if g["muon"] for n in g["names"])
 
 
-def test_bad_coefficients_refused():
+def test_bad_coefficients_and_cpu_offload_refused():
     with pytest.raises(ConfigError, match=r"^optimizer.muon_ns_coefficients: '1,2' is not three finite numbers"):
         validate(parse_args(["--optimizer.muon_ns_coefficients", "1,2"]), 1)
+    with pytest.raises(ConfigError, match=r"^optimizer.name: Muon sends matrix shards .* use AdamW with CPU offload$"):
+        validate(parse_args(["--optimizer.name", "Muon", "--training.enable_cpu_offload"]), 2)
 
 
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--optimizer.weight_decay_exclude",
