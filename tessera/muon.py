@@ -191,6 +191,7 @@ class Muon(torch.optim.AdamW):
         super().__init__(params, **adamw)
         self.settings = settings
         self._shard_groups: dict[tuple, ShardGroup] = {}
+        self._buckets: dict[int, tuple] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -218,6 +219,14 @@ class Muon(torch.optim.AdamW):
         with self._adamw_groups():
             super().__setstate__({"state": self.state, "param_groups": self.param_groups})
 
+    def _bucket(self, p: torch.Tensor) -> tuple:
+        """The parameters orthogonalized together: () for whole matrices here, else (mesh, its ranks, split axes)."""
+        if id(p) not in self._buckets:
+            axes = _split_axes(p)
+            self._buckets[id(p)] = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist()),
+                                    axes) if axes else ()
+        return self._buckets[id(p)]
+
     def _muon_step(self, groups: list[dict]) -> None:
         cfg = self.settings
         buckets: dict[tuple, list] = {}  # shard group -> [(group, param, this rank's update)]
@@ -231,10 +240,7 @@ class Muon(torch.optim.AdamW):
                 buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
                 buf.lerp_(grad, 1 - cfg.momentum)
                 update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf.clone()
-                axes = _split_axes(p)
-                key = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist()), axes) \
-                    if axes else ()
-                buckets.setdefault(key, []).append((group, p, update))
+                buckets.setdefault(self._bucket(p), []).append((group, p, update))
         for key in sorted(buckets, key=str):
             entries = buckets[key]
             if key:
