@@ -83,9 +83,8 @@ def worker(a) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from tessera.config import parse_args
-    from tessera.config.validate import validate
     from tessera.distributed import init_world, shutdown, world_size_from_env
+    from tessera.preflight import parse_args, validate
     from tessera.train import train_step
     from tessera.trainer import build_trainer
 

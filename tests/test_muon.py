@@ -9,11 +9,11 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from tessera import models
-from tessera.config import ConfigError, parse_args
-from tessera.config.validate import validate
+from tessera.config import ConfigError
 from tessera.muon import Muon, MuonSettings, orthogonalize
 from tessera.optim import build_optimizer
 from tessera.param_groups import param_role
+from tessera.preflight import parse_args, validate
 from tests.dist_worker import run_train
 from tests.launch import resume_copy
 from tests.test_checkpoint import CKPT, _params_equal
