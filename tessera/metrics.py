@@ -109,7 +109,7 @@ class MetricsLogger:
         log.info(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {m['loss']:.4f}  "
                  f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  tps {m['tps']:,.0f}  "
                  f"tflops {m['tflops']:.3f}  mfu {m['mfu']:.1%}  mem {m['memory_gib']:.2f}GiB  "
-                 f"data {m['data_share']:.1%}{_moe(m)}{own}  eta {_eta(eta)}")
+                 f"data {m['data_share']:.1%}{_moe(m)}{own}{_replicas(m)}  eta {_eta(eta)}")
 
     def image(self, tag: str, picture, step: int) -> None:
         """An HWC uint8 image (a family's samples) to TensorBoard, when it is on."""
@@ -142,3 +142,11 @@ def _moe(m: dict) -> str:
         return ""
     aux = f"  aux {m['moe_aux_loss']:.4f}" if "moe_aux_loss" in m else ""
     return f"  load {m['moe_imbalance']:.2f} (worst {m['moe_imbalance_worst']:.2f}){aux}"
+
+
+def _replicas(m: dict) -> str:
+    """Fault tolerance: the replica groups in the last step's quorum, and the recoveries so far."""
+    if "ft/quorum" not in m:
+        return ""
+    recovered = f" recovered {m['ft/recoveries']}x in {m['ft/recovery_s']:.1f}s" if m["ft/recoveries"] else ""
+    return f"  quorum {m['ft/quorum']}{recovered}"

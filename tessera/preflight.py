@@ -16,6 +16,7 @@ from tessera import architecture, config
 from tessera.checkpoint.folder import read_saved_config, resume_point
 from tessera.config import ConfigError
 from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
+from tessera.ft import check as ft_check
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
@@ -46,6 +47,7 @@ def markdown_reference() -> str:
 def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Check everything that can be checked without torch; returns the resolved parallel degrees."""
     m, t = cfg.model, cfg.training
+    ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     if m.name not in FAMILIES:
         raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
     if m.flavor and m.flavor not in family(m.name).flavors:
@@ -65,10 +67,14 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    per_step = t.local_batch_size * dims.dp
+    per_step, groups = t.local_batch_size * dims.dp * ft_check.groups(cfg), ft_check.groups(cfg)
     if t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
-                          f"{t.local_batch_size} x data-parallel degree {dims.dp} = {per_step}")
+                          f"{t.local_batch_size} x data-parallel degree {dims.dp}"
+                          f"{f' x replica groups {groups}' if groups > 1 else ''} = {per_step}")
+    ft_check.check_config(cfg, args, family(m.name).own_data)
+    if "LOCAL_RANK" not in os.environ:  # the launcher's pre-check (a running group's rank 0 checks again, holding)
+        ft_check.check_live(cfg, world_size)
     _check_family(cfg, args, dims)
     _check_layout(cfg, args, dims)
     _check_data_files(cfg, dims)

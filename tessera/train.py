@@ -81,7 +81,10 @@ def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
 
 
 def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns (local loss, grad norm, data seconds)."""
+    """One optimizer step over `grad_accum` micro-batches; returns (local loss, grad norm, data seconds), or None
+    under fault tolerance when the replica groups' quorum did not commit it (nothing applied; run it again)."""
+    if tr.replicas is not None:
+        tr.replicas.begin_step()  # this step's quorum; a group behind the others recovers from a live one here
     tr.optimizer.zero_grad()
     for side in tr.side_losses:
         side.reset()
@@ -92,8 +95,12 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
         data_s += time.perf_counter() - start
         loss_total += forward_backward(tr, inputs, labels)
     loss_total = pp_share(loss_total, tr)
+    if tr.replicas is not None:
+        tr.replicas.average_gradients()
     grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm,
                                 pp_group=tr.pipeline.group if tr.pipeline else None)
+    if tr.replicas is not None and not tr.replicas.commit():
+        return None
     if tr.cfg.training.nonfinite_policy == "skip" and not torch.isfinite(grad_norm).item():  # the same on every rank
         skip_update(tr)
     else:
@@ -152,7 +159,10 @@ def train(tr: Trainer) -> None:
     with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr):
         while tr.step < t.steps:
             lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
-            loss, grad_norm, data_s = train_step(tr)
+            stepped = train_step(tr)
+            if stepped is None:  # fault tolerance: not committed by the replica groups' quorum
+                continue
+            loss, grad_norm, data_s = stepped
             if tr.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
                 set_timeout(tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
                 if tr.cfg.compile.enable:
@@ -168,7 +178,8 @@ def train(tr: Trainer) -> None:
             if tr.step % m.log_freq == 0 or last:
                 log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start)
                 window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
-            if tr.checkpointer.should_save(tr.step, last):  # before validation: nothing after it can lose a save
+            # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
+            if tr.checkpointer.should_save(tr.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
             if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
@@ -199,6 +210,8 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
         record.update(tr.balancer.metrics(tr.world.device))
     record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
     record.update(live_memory_metrics(tr))
+    if tr.replicas is not None:
+        record.update(tr.replicas.metrics())
     tr.metrics.log(tr.step, record)
     tr.history.append({"step": tr.step, **record})
 
@@ -276,6 +289,8 @@ def main(argv: list[str]) -> int:
         _fail(e, 1)
         raise
     finally:
+        if tr is not None and tr.replicas is not None:
+            tr.replicas.close()
         shutdown(clean)
     return 0
 

@@ -16,6 +16,7 @@ from tessera.config import ConfigError, JobConfig
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
+from tessera.ft import check as ft_check
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
@@ -74,6 +75,7 @@ class Trainer:
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
     live_bytes: object | None = None  # metrics.live_memory: a tessera.memory.LiveBytes counting while training
+    replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
 
     # The counters, by their names in the loop.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
@@ -231,7 +233,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     spec = models.family(cfg.model.name).spec()
     if spec.data is None:  # a family with its own data has no vocabulary of the token loader's
         check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * world.dims.dp)
+    per_pass = t.local_batch_size * world.dims.dp * ft_check.groups(cfg)  # fault tolerance: over replica groups too
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_pass
     loss = training_loss(cfg, world, spec.loss or loss_fn)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer, param_role(models.family(cfg.model.name), spec.blocks))
@@ -239,7 +242,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
-    data = spec.data or (lambda c, w, _, split, bad: build_dataloader(c, tokenizer, w.dp_rank, w.dims.dp, split, bad))
+    data = spec.data or (lambda c, w, _, split, bad: build_dataloader(
+        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad))
     loader = data(cfg, world, args, "train", bad)
     val_loader = data(cfg, world, args, "validation", bad) if cfg.validation.enable else None
     counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
@@ -269,4 +273,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  evaluate=spec.evaluate)
     tr.checkpointer.load(resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
+    if cfg.fault_tolerance.enable:
+        from tessera.ft.replicas import ReplicaGroup
+        tr.replicas = ReplicaGroup(tr)
     return tr

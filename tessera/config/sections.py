@@ -279,6 +279,29 @@ class Generate:
 
 
 @dataclass
+class FaultTolerance:
+    """Replica groups under torchft: each group is one ordinary launch; gradients are averaged over the live
+    groups every step, a dead group drops out of the quorum and a relaunched one recovers from a live peer."""
+    enable: bool = opt(False, "run this launch as one replica group of a fault-tolerant job (torchft): per-step "
+                       "quorum over the live groups through the lighthouse; needs the torchft package")
+    replica_id: int = opt(0, "this group's id, 0 .. group_size - 1, unique among the live groups; it picks the "
+                          "group's share of the data (and its logs: <job.dump_folder>/replica_<id>)", min=0)
+    group_size: int = opt(1, "replica groups in the job: the global batch is dealt to this many groups x the "
+                          "data-parallel degree inside one", min=1)
+    min_replica_size: int = opt(1, "a step commits only when at least this many groups are in its quorum; below "
+                                "it the live groups compute but apply nothing until another group joins", min=1)
+    lighthouse: str = opt("", "the torchft lighthouse's address, e.g. http://host:29510; empty = the "
+                          "TORCHFT_LIGHTHOUSE environment variable")
+    timeout_seconds: int = opt(60, "seconds a cross-group collective, the commit vote or a recovery transfer may "
+                               "take before the step is dropped (a dead peer is usually noticed at once)", min=1)
+    quorum_timeout_seconds: int = opt(120, "seconds to wait for a quorum (the lighthouse must answer)", min=1)
+    connect_timeout_seconds: int = opt(10, "seconds to reach the lighthouse and the groups' managers", min=1)
+    bucket_mb: int = opt(25, "gradients are averaged across groups in flat buckets of about this size", min=1)
+    log_state_digest: bool = opt(False, "debug: log ft/state_digest (a hash of this rank's weights and optimizer "
+                                 "state) with the metrics, to compare groups bit for bit")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -296,6 +319,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     generate: Generate = field(default_factory=Generate)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
 
 # Options that are gone: a config that still sets one loads, with one warning line saying why it is ignored.

@@ -1,0 +1,197 @@
+"""Fault tolerance before ranks start (torch-free): the [fault_tolerance] values, the lighthouse answering, this
+replica id free, and the live groups running the same config.
+
+Files of a job under fault tolerance, in the job.dump_folder every group is given (a shared file system, as
+checkpoints need one): each group's logs, metrics.jsonl and report in `replica_<id>/`, the checkpoints shared in
+`<checkpoint.folder>` (written by one group: the lowest live id). A running group holds `replica_<id>/.lock`
+(flock: released by the kernel however the process ends) and records its config's fingerprint next to it.
+"""
+
+import fcntl
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+
+from tessera.config.manager import ConfigError
+from tessera.config.sections import JobConfig
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LOCK, FINGERPRINT = ".lock", "ft-config.json"
+# Settings that may differ between groups: where each writes, how it logs, and which group it is. Everything else,
+# the layout inside a group included (gradients are averaged shard by shard), must be the same in every group.
+_PER_GROUP = ("job.", "metrics.", "profiling.", "comm.", "checkpoint.", "generate.", "validation.",
+              "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest")
+_held: dict[str, int] = {}  # lock path -> open descriptor, for the life of this process
+
+
+def enabled(cfg: JobConfig) -> bool:
+    return cfg.fault_tolerance.enable
+
+
+def groups(cfg: JobConfig) -> int:
+    """Replica groups the global batch is dealt to (1 without fault tolerance)."""
+    return cfg.fault_tolerance.group_size if enabled(cfg) else 1
+
+
+def data_share(cfg: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(rank, degree) of this rank among every data-parallel rank of the job: group g's rank r is g x dp + r, the
+    order HSDP's replicate x shard ranks have, so G groups x FSDP n read what HSDP G x n reads."""
+    if not enabled(cfg):
+        return dp_rank, dp_degree
+    return cfg.fault_tolerance.replica_id * dp_degree + dp_rank, cfg.fault_tolerance.group_size * dp_degree
+
+
+def lighthouse_address(cfg: JobConfig) -> str:
+    return cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+
+
+def job_root(cfg: JobConfig) -> str:
+    return getattr(cfg, "_ft_root", cfg.job.dump_folder)
+
+
+def group_folder(cfg: JobConfig, replica_id: int | None = None) -> str:
+    rid = cfg.fault_tolerance.replica_id if replica_id is None else replica_id
+    return os.path.join(job_root(cfg), f"replica_{rid}")
+
+
+def place_group(cfg: JobConfig) -> None:
+    """Under fault tolerance: this group's job.dump_folder becomes <job.dump_folder>/replica_<id>, and a relative
+    checkpoint.folder stays where it was (<job.dump_folder>/<checkpoint.folder>), shared. Idempotent."""
+    if not enabled(cfg) or hasattr(cfg, "_ft_root"):
+        return
+    root = cfg.job.dump_folder
+    object.__setattr__(cfg, "_ft_root", root)
+    if not os.path.isabs(cfg.checkpoint.folder):
+        cfg.checkpoint.folder = os.path.abspath(os.path.join(root, cfg.checkpoint.folder))
+    cfg.job.dump_folder = group_folder(cfg)
+
+
+def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
+    """The values of [fault_tolerance] and what they need, one line each."""
+    if not enabled(cfg):
+        return
+    f = cfg.fault_tolerance
+    if f.replica_id >= f.group_size:
+        raise ConfigError(f"fault_tolerance.replica_id: {f.replica_id} is not below group_size {f.group_size}; number "
+                          f"the replica groups 0 .. {f.group_size - 1}")
+    if f.min_replica_size > f.group_size:
+        raise ConfigError(f"fault_tolerance.min_replica_size: {f.min_replica_size} is more than group_size "
+                          f"{f.group_size}, so no step could commit; set it to at most {f.group_size}")
+    if not lighthouse_address(cfg):
+        raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the lighthouse's "
+                          f"address (http://HOST:PORT; scripts/ft_local.sh starts one)")
+    import importlib.util
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install --no-deps "
+                          "torchft==0.2.0 (see requirements-dev.txt for its pins)")
+    if has_own_data:
+        raise ConfigError(f"fault_tolerance.enable: {cfg.model.name} deals its own data, which does not split over "
+                          f"replica groups yet; train it without fault tolerance")
+    if getattr(args, "moe", None) is not None and cfg.moe.load_balance_rate:
+        raise ConfigError("fault_tolerance.enable: the MoE expert-bias update counts tokens inside one replica group, "
+                          "so the groups' biases would drift apart; set moe.load_balance_rate = 0 under fault "
+                          "tolerance (or train without it)")
+
+
+def fingerprint(cfg: JobConfig, world_size: int) -> dict[str, object]:
+    """What every group of the job must agree on: its config (less per-group settings) and its process count."""
+    from tessera.config.manager import _leaves
+
+    out: dict[str, object] = {"launch.world_size": world_size}
+    for key, owner, f in _leaves(cfg):
+        if not key.startswith(_PER_GROUP):
+            out[key] = getattr(owner, f.name)
+    return json.loads(json.dumps(out, default=str))
+
+
+def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
+    """The lighthouse answers, no live group has this replica id, and every live group runs this config. `hold`
+    (rank 0 of a running group): keep this id's lock and record the fingerprint for the groups that come later."""
+    if not enabled(cfg):
+        return
+    _probe_lighthouse(cfg)
+    mine = fingerprint(cfg, world_size)
+    folder = group_folder(cfg)
+    os.makedirs(folder, exist_ok=True)
+    fd = _try_lock(os.path.join(folder, LOCK))
+    if fd is None:
+        raise ConfigError(f"fault_tolerance.replica_id: {cfg.fault_tolerance.replica_id} is already running "
+                          f"({_owner(folder)}); give each live replica group its own id, 0 .. "
+                          f"{cfg.fault_tolerance.group_size - 1}")
+    try:
+        for rid in range(cfg.fault_tolerance.group_size):
+            if rid != cfg.fault_tolerance.replica_id:
+                _compare_live(cfg, rid, mine)
+    except ConfigError:
+        os.close(fd)
+        raise
+    if not hold:
+        os.close(fd)
+        return
+    _held[folder] = fd
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{socket.gethostname()} pid {os.getpid()}".encode())
+    with open(os.path.join(folder, FINGERPRINT), "w") as fh:
+        json.dump(mine, fh, indent=1)
+
+
+def _probe_lighthouse(cfg: JobConfig) -> None:
+    address = lighthouse_address(cfg)
+    url = address if "://" in address else f"http://{address}"
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=cfg.fault_tolerance.connect_timeout_seconds):
+            pass
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = getattr(e, "reason", None) or e
+        raise ConfigError(f"fault_tolerance.lighthouse: no lighthouse answers at {address} ({why}); start one "
+                          f"(torchft_lighthouse --min_replicas 1 --bind [::]:29510, or scripts/ft_local.sh) or fix "
+                          f"the address") from None
+
+
+def _try_lock(path: str) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _owner(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, LOCK)) as fh:
+            return fh.read().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def _compare_live(cfg: JobConfig, rid: int, mine: dict) -> None:
+    """Group `rid`, when it is running now (holds its lock), was started with this config."""
+    folder = group_folder(cfg, rid)
+    lock = os.path.join(folder, LOCK)
+    if not os.path.exists(lock):
+        return
+    fd = _try_lock(lock)
+    if fd is not None:  # not running: its record is history
+        os.close(fd)
+        return
+    try:
+        with open(os.path.join(folder, FINGERPRINT)) as fh:
+            theirs = json.load(fh)
+    except (OSError, ValueError):
+        return  # starting right now: the quorum's own checks follow
+    diff = [k for k in mine if k in theirs and mine[k] != theirs[k]]
+    if diff:
+        key = diff[0]
+        raise ConfigError(f"fault_tolerance: replica group {rid} (running) has {key} = {theirs[key]!r}, this group "
+                          f"{mine[key]!r}{f' (and {len(diff) - 1} more difference(s))' if len(diff) > 1 else ''}; "
+                          f"every group runs the same config and layout, only fault_tolerance.replica_id differs")
+
+
+def describe(cfg: JobConfig) -> str:
+    f = cfg.fault_tolerance
+    return (f"replica group {f.replica_id} of {f.group_size} (min_replica_size {f.min_replica_size}), lighthouse "
+            f"{lighthouse_address(cfg)}")
