@@ -86,3 +86,95 @@ def test_two_groups_of_fsdp2_equal_hsdp_2x2(tmp_path, lighthouse):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def start_single(dump: Path, *args: str, delay: float = 0.15) -> subprocess.Popen:
+    """A replica group of one process, without torchrun (it starts its own store): quick to start and to kill."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TESSERA_FAULT_STEP_DELAY": str(delay)}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = dump.parent / f"{dump.name}-{time.monotonic_ns()}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.train", *merge(TINY, ["--job.dump_folder", str(dump)],
+                                                                               args)],
+                                env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def rows(dump: Path, replica_id: int) -> list[dict]:
+    path = dump / f"replica_{replica_id}" / "metrics.jsonl"
+    return read_metrics(path.parent) if path.exists() else []
+
+
+def wait_for(what: str, predicate, procs, timeout: float = 90.0) -> float:
+    """Seconds until predicate() holds; fails naming `what` after `timeout`, or when a group died."""
+    start = time.monotonic()
+    while not predicate():
+        for proc in procs:
+            assert proc.poll() is None, f"{what}: a group ended early:\n{proc.log.read_text()[-3000:]}"
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committing(tmp_path, lighthouse):
+    """Three groups, min_replica_size 2. Group 2 is SIGKILLed at a random step: 0 and 1 go on, committing every
+    step; relaunched, it recovers from a live peer and from then on holds their state bit for bit. Then 1 and 2 die:
+    group 0 alone is below min_replica_size and commits nothing until group 1 is back (recovered)."""
+    import random
+
+    seed = random.randrange(1 << 30)
+    kill_at = random.Random(seed).randint(3, 8)
+    steps, dump = 150, tmp_path / "job"
+    args = ["--training.steps", str(steps), "--optimizer.lr", "3e-3"]
+    flags = [ft_flags(lighthouse, i, group_size=3, min_size=2) for i in range(3)]
+    procs = [start_single(dump, *args, *flags[i]) for i in range(3)]
+    survivor_step = lambda: rows(dump, 0)[-1]["step"] if rows(dump, 0) else 0  # noqa: E731
+    try:
+        wait_for("first steps", lambda: survivor_step() >= kill_at, procs)
+        kill(procs[2])
+        killed_at = rows(dump, 2)[-1]["step"] if rows(dump, 2) else 0
+        wait_for("survivors go on", lambda: survivor_step() >= killed_at + 6, procs[:2])
+        procs[2] = start_single(dump, *args, *flags[2])
+        rejoined = len(rows(dump, 2))
+        rejoin_s = wait_for("the killed group rejoins", lambda: len(rows(dump, 2)) > rejoined + 2, procs)
+        kill(procs[1])
+        kill(procs[2])
+        stalled = survivor_step()
+        time.sleep(4)  # group 0 alone: below min_replica_size 2
+        assert survivor_step() <= stalled + 1, f"seed {seed}: a group alone kept committing"
+        lives = {2: rejoined, 1: len(rows(dump, 1))}  # each group's rows before its relaunch
+        procs[1] = start_single(dump, *args, *flags[1], delay=0.0)
+        procs[0].wait(timeout=180)
+        procs[1].wait(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill(proc)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, procs[0].log.read_text()[-3000:]
+    a = rows(dump, 0)
+    # Never restarted, every step committed once (a group that starts later than the others catches up first).
+    assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1)), f"seed {seed}: group 0 restarted"
+    after_kill = [r for r in a if r["step"] > killed_at]
+    assert after_kill[0]["ft/recoveries"] == a[-1]["ft/recoveries"] <= 1  # it recovered nothing after the kill
+    assert next(r for r in a if r["step"] == killed_at + 3)["ft/quorum"] == 2
+    assert a[-1]["ft/quorum"] == 2 and a[-1]["ft/degraded_steps"] > 0
+    losses = [r["loss"] for r in a]
+    assert sum(losses[-10:]) < sum(losses[:10]) - 0.5, f"seed {seed}: the survivor's loss did not keep falling"
+    assert "not committed (quorum 1 group(s), below fault_tolerance.min_replica_size 2)" in procs[0].log.read_text()
+    digest = {r["step"]: r["ft/state_digest"] for r in a}
+    for group in (1, 2):
+        before, back = rows(dump, group)[:lives[group]], rows(dump, group)[lives[group]:]
+        assert back and back[0]["ft/recoveries"] == 1, f"seed {seed}: group {group} did not recover from a peer"
+        # Its data position came from the peer, at a step after any it committed before: only samples it never
+        # trained (the data position is a function of the step).
+        assert back[0]["step"] > before[-1]["step"]
+        assert all(r["ft/state_digest"] == digest[r["step"]] for r in before + back if r["step"] in digest), group
+    assert rejoin_s < 60
+    assert "recovered step" in procs[2].log.read_text()
