@@ -178,3 +178,72 @@ def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committin
         assert all(r["ft/state_digest"] == digest[r["step"]] for r in before + back if r["step"] in digest), group
     assert rejoin_s < 60
     assert "recovered step" in procs[2].log.read_text()
+
+
+def test_whole_job_restart_resumes_the_checkpoint_exactly(tmp_path, lighthouse):
+    """Two groups train 6 steps, saving at 3 and 6 (group 0 alone writes); with step 6 gone, the whole job is
+    relaunched: both groups resume step 3 from disk and repeat steps 4-6 bit for bit."""
+    dump = tmp_path / "job"
+    args = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--checkpoint.last_save_model_only", "false"]
+
+    def run_job() -> list[str]:
+        procs = [start_single(dump, *args, *ft_flags(lighthouse, i, min_size=2), delay=0.0) for i in range(2)]
+        return [finish(proc) for proc in procs]
+
+    first = run_job()
+    assert "checkpoint step 3 saved" in first[0] and "checkpoint step" not in first[1]  # one group saves
+    import shutil
+    shutil.rmtree(dump / "checkpoint" / "step-6")
+    reference = {i: {r["step"]: r for r in rows(dump, i)} for i in range(2)}
+    second = run_job()
+    for i in range(2):
+        assert "resumed from checkpoint step 3" in second[i]
+        again = rows(dump, i)[-3:]
+        assert [r["step"] for r in again] == [4, 5, 6]
+        for r in again:
+            assert (r["loss"], r["grad_norm"], r["ft/state_digest"]) == \
+                (reference[i][r["step"]]["loss"], reference[i][r["step"]]["grad_norm"],
+                 reference[i][r["step"]]["ft/state_digest"])
+
+
+def _refused(capsys, *args: str) -> str:
+    from tessera.train import main
+
+    assert main(merge(TINY, args)) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
+    from tessera.config import parse_args
+    from tessera.ft import check
+
+    dump = ["--job.dump_folder", str(tmp_path)]
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert _refused(capsys, *dump, *ft_flags(closed, 0)).startswith(
+        f"tessera: fault_tolerance.lighthouse: no lighthouse answers at {closed} (")
+    assert _refused(capsys, *dump, *ft_flags(lighthouse, 2)) == ("tessera: fault_tolerance.replica_id: 2 is not below "
+                                                                 "group_size 2; number the replica groups 0 .. 1")
+    assert _refused(capsys, *dump, *ft_flags(lighthouse, 0, min_size=3)).startswith(
+        "tessera: fault_tolerance.min_replica_size: 3 is more than group_size 2")
+    # A running group 0 (its lock held here, as its rank 0 holds it), with its files.
+    running = parse_args(merge(TINY, dump, ft_flags(lighthouse, 0)))
+    check.place_group(running)
+    check.check_live(running, 1, hold=True)
+    try:
+        record = tmp_path / "replica_0" / "metrics.jsonl"
+        record.write_text('{"step": 1}\n')
+        assert _refused(capsys, *dump, *ft_flags(lighthouse, 0)) == (
+            f"tessera: fault_tolerance.replica_id: 0 is already running ({socket.gethostname()} pid {os.getpid()}); "
+            f"give each live replica group its own id, 0 .. 1")
+        assert _refused(capsys, *dump, *ft_flags(lighthouse, 1), "--model.flavor", "debugmodel") == (
+            "tessera: fault_tolerance: replica group 0 (running) has model.flavor = 'tiny', this group 'debugmodel'; "
+            "every group runs the same config and layout, only fault_tolerance.replica_id differs")
+        assert _refused(capsys, *dump, *ft_flags(lighthouse, 1), "--training.local_batch_size", "4").startswith(
+            "tessera: fault_tolerance: replica group 0 (running) has training.local_batch_size = 8, this group 4")
+        assert record.read_text() == '{"step": 1}\n' and not (tmp_path / "replica_1" / "metrics.jsonl").exists()
+    finally:
+        check.release()

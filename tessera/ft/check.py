@@ -137,6 +137,12 @@ def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
         json.dump(mine, fh, indent=1)
 
 
+def release() -> None:
+    """Give up the replica ids this process holds (its group is done)."""
+    while _held:
+        os.close(_held.popitem()[1])
+
+
 def _probe_lighthouse(cfg: JobConfig) -> None:
     address = lighthouse_address(cfg)
     url = address if "://" in address else f"http://{address}"

@@ -75,6 +75,7 @@ class ReplicaGroup:
         self.quorum = 0
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
+        self.started = time.perf_counter()
         fetch = tr.batch_fn
         tr.batch_fn = lambda trainer, loader: self._batch(fetch, trainer, loader)
         if tr.world.rank == 0:
@@ -95,7 +96,8 @@ class ReplicaGroup:
             self.recoveries, self.recovery_s = self.recoveries + 1, self.recovery_s + seconds
             if self.tr.world.rank == 0:
                 log.warning(f"fault tolerance: recovered step {self.tr.step} from a live replica group in "
-                            f"{seconds:.2f}s (model, optimizer, scheduler, data position); quorum "
+                            f"{seconds:.2f}s (model, optimizer, scheduler, data position), "
+                            f"{time.perf_counter() - self.started:.1f}s after this group started; quorum "
                             f"{self.manager.num_participants()} group(s)")
         self._batch_index = 0
 
@@ -137,8 +139,11 @@ class ReplicaGroup:
     def commit(self) -> bool:
         """The quorum's vote on this step: True = apply it (every group in the quorum does); False = nothing of
         it is applied, and the same step runs again on the same batches."""
-        committed = self.manager.should_commit()
+        committed, before = self.manager.should_commit(), self.quorum
         self.quorum = self.manager.num_participants()
+        if self.quorum != before and before and self.tr.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.tr.step + 1}: quorum {self.quorum} replica group(s), was "
+                        f"{before}")
         size, least = self.tr.cfg.fault_tolerance.group_size, self.tr.cfg.fault_tolerance.min_replica_size
         if committed:
             self.batches = None
@@ -183,6 +188,7 @@ class ReplicaGroup:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        check.release()
 
     # ---- what a recovering group copies from a live one ----------------------------------------------
     def _state(self) -> dict:
