@@ -55,6 +55,16 @@ def summary(name: str, run: dict[int, dict]) -> list[str]:
             f"{mean('tps'):,.0f} | {mean('mfu'):.1%} | {max(series(run, 'memory_gib')[1] or [float('nan')]):.2f} |"]
 
 
+def replica_summary(name: str, run: dict[int, dict]) -> list[str]:
+    """Fault tolerance's counts (tessera/ft/replicas.py: metrics), for a run that has them."""
+    quorum = series(run, "ft/quorum")[1]
+    if not quorum:
+        return []
+    last = run[max(s for s in run if "ft/quorum" in run[s])]
+    return [f"| {name} | {min(quorum):.0f} | {last['ft/recoveries']} | {last['ft/recovery_s']:.2f} | "
+            f"{last['ft/degraded_steps']} | {last['ft/uncommitted_steps']} |"]
+
+
 def write_report(folders: list[str], out: str | None = None) -> str | None:
     """report.png and report.md in `out` (default: the first folder); their path, or None without matplotlib."""
     try:
@@ -82,9 +92,15 @@ def write_report(folders: list[str], out: str | None = None) -> str | None:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     rows = [line for name, run in runs.items() for line in summary(name, run)]
+    replicas = [line for name, run in runs.items() for line in replica_summary(name, run)]
     with open(os.path.join(out, "report.md"), "w") as fh:
         fh.write("| run | steps | final loss | best validation loss | mean tokens/s | mean MFU | peak GiB |\n"
-                 "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n![report](report.png)\n")
+                 "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n")
+        if replicas:
+            fh.write("| run (fault tolerance) | smallest quorum | recoveries | seconds recovering | steps committed "
+                     "with fewer groups | steps not committed |\n| --- | --- | --- | --- | --- | --- |\n"
+                     + "\n".join(replicas) + "\n\n")
+        fh.write("![report](report.png)\n")
     log.info(f"report: {png} and report.md")
     return png
 

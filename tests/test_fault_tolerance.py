@@ -168,6 +168,7 @@ def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committin
     losses = [r["loss"] for r in a]
     assert sum(losses[-10:]) < sum(losses[:10]) - 0.5, f"seed {seed}: the survivor's loss did not keep falling"
     assert "not committed (quorum 1 group(s), below fault_tolerance.min_replica_size 2)" in procs[0].log.read_text()
+    assert "| run (fault tolerance) |" in (dump / "replica_0" / "report.md").read_text()
     digest = {r["step"]: r["ft/state_digest"] for r in a}
     for group in (1, 2):
         before, back = rows(dump, group)[:lives[group]], rows(dump, group)[lives[group]:]
