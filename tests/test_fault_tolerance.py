@@ -2,7 +2,6 @@
 from a live peer, refusals, and a whole-job restart. Each replica group is its own launch, as in a real job."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import ROOT, TINY, merge, read_metrics, run_dist
+from tessera.ft import local
+from tessera.ft.local import kill, wait_for
+from tests.launch import TINY, merge, read_metrics, run_dist
 
-os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs each quorum otherwise
 pytest.importorskip("torchft")
 
 STEPS = 6
@@ -22,30 +22,21 @@ STEPS = 6
 @pytest.fixture
 def lighthouse():
     """A lighthouse on 127.0.0.1 with a free port; quick to notice a dead group (2 s without heartbeats)."""
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=2000)
-    yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    server, address = local.start_lighthouse()
+    yield address
     server.shutdown()
 
 
 def ft_flags(address: str, replica_id: int, group_size: int = 2, min_size: int = 1) -> list[str]:
-    return ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", address, "--fault_tolerance.replica_id",
-            str(replica_id), "--fault_tolerance.group_size", str(group_size), "--fault_tolerance.min_replica_size",
-            str(min_size), "--fault_tolerance.log_state_digest", "--fault_tolerance.timeout_seconds", "20"]
+    return [*local.ft_flags(address, replica_id, group_size, min_size), "--fault_tolerance.log_state_digest",
+            "--fault_tolerance.timeout_seconds", "20"]
 
 
-def start_group(nproc: int, dump: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    """One replica group: its own torchrun launch, in its own process group (so a test can kill all of it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+def start_group(nproc: int, dump: Path, *args: str) -> subprocess.Popen:
+    """One replica group: its own torchrun launch."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "tessera.train", *merge(TINY, ["--job.dump_folder", str(dump)], args)]
-    log = dump.parent / f"{dump.name}-{time.monotonic_ns()}.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    proc.log = log
-    return proc
+    return local.start_process(cmd, dump.parent / f"{dump.name}-{time.monotonic_ns()}.log")
 
 
 def finish(proc: subprocess.Popen, timeout: int = 240) -> str:
@@ -53,8 +44,7 @@ def finish(proc: subprocess.Popen, timeout: int = 240) -> str:
         proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill(proc)
     out = proc.log.read_text()
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -89,38 +79,14 @@ def test_two_groups_of_fsdp2_equal_hsdp_2x2(tmp_path, lighthouse):
 
 
 def start_single(dump: Path, *args: str, delay: float = 0.15) -> subprocess.Popen:
-    """A replica group of one process, without torchrun (it starts its own store): quick to start and to kill."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TESSERA_FAULT_STEP_DELAY": str(delay)}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    log = dump.parent / f"{dump.name}-{time.monotonic_ns()}.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tessera.train", *merge(TINY, ["--job.dump_folder", str(dump)],
-                                                                               args)],
-                                env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    proc.log = log
-    return proc
+    """A replica group of one process (quick to start and to kill), each step slowed by `delay` seconds."""
+    return local.start_single(merge(TINY, ["--job.dump_folder", str(dump)], args),
+                              dump.parent / f"{dump.name}-{time.monotonic_ns()}.log",
+                              TESSERA_FAULT_STEP_DELAY=str(delay))
 
 
 def rows(dump: Path, replica_id: int) -> list[dict]:
-    path = dump / f"replica_{replica_id}" / "metrics.jsonl"
-    return read_metrics(path.parent) if path.exists() else []
-
-
-def wait_for(what: str, predicate, procs, timeout: float = 90.0) -> float:
-    """Seconds until predicate() holds; fails naming `what` after `timeout`, or when a group died."""
-    start = time.monotonic()
-    while not predicate():
-        for proc in procs:
-            assert proc.poll() is None, f"{what}: a group ended early:\n{proc.log.read_text()[-3000:]}"
-        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
-        time.sleep(0.1)
-    return time.monotonic() - start
-
-
-def kill(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    return local.rows(dump / f"replica_{replica_id}")
 
 
 def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committing(tmp_path, lighthouse):

@@ -1,0 +1,96 @@
+"""Replica groups on this machine, as separate processes (for tests, benchmarks and trying it on a laptop): a
+lighthouse in this process, groups of one process started without torchrun (each starts its own store)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_lighthouse(heartbeat_timeout_ms: int = 2000):
+    """(server, address): a lighthouse on 127.0.0.1 with a free port, forming a quorum of whoever is live and
+    dropping a group after `heartbeat_timeout_ms` without heartbeats."""
+    os.environ.setdefault("RUST_LOG", "warn")  # it logs each quorum otherwise
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=heartbeat_timeout_ms)
+    return server, f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+
+
+def ft_flags(address: str, replica_id: int, group_size: int, min_size: int = 1) -> list[str]:
+    return ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", address, "--fault_tolerance.replica_id",
+            str(replica_id), "--fault_tolerance.group_size", str(group_size), "--fault_tolerance.min_replica_size",
+            str(min_size)]
+
+
+def start_process(cmd: list[str], log: Path, drop: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+    """`cmd` in its own session (kill() ends all of it), output in `log` (proc.log); `drop`: variables unset."""
+    env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}.items()
+           if k not in drop}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def start_single(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """tessera.train with `argv` as one process without torchrun."""
+    return start_process([sys.executable, "-m", "tessera.train", *argv], log,
+                         drop=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"), **env)
+
+
+def rows(folder: Path) -> list[dict]:
+    """The training records of `folder`/metrics.jsonl so far ([] before the first)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line and '"validation/' not in line]
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and every process under it at once, as a node failure would (torchrun starts its
+    workers in sessions of their own)."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
+def wait_for(what: str, predicate, procs, timeout: float = 90.0) -> float:
+    """Seconds until predicate() holds; AssertionError naming `what` after `timeout`, or when a process ended."""
+    start = time.monotonic()
+    while not predicate():
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"{what}: a process ended early:\n{proc.log.read_text()[-3000:]}")
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
