@@ -44,7 +44,9 @@ def data_share(cfg: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
 
 
 def lighthouse_address(cfg: JobConfig) -> str:
-    return cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    """fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE, as http://HOST:PORT (a bare HOST:PORT gets http://)."""
+    address = cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    return address if not address or "://" in address else f"http://{address}"
 
 
 def job_root(cfg: JobConfig) -> str:
@@ -145,10 +147,9 @@ def release() -> None:
 
 def _probe_lighthouse(cfg: JobConfig) -> None:
     address = lighthouse_address(cfg)
-    url = address if "://" in address else f"http://{address}"
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=cfg.fault_tolerance.connect_timeout_seconds):
-            pass
+        urllib.request.urlopen(f"{address.rstrip('/')}/status",
+                               timeout=cfg.fault_tolerance.connect_timeout_seconds).close()
     except (urllib.error.URLError, OSError, ValueError) as e:
         why = getattr(e, "reason", None) or e
         raise ConfigError(f"fault_tolerance.lighthouse: no lighthouse answers at {address} ({why}); start one "

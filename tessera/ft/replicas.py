@@ -90,7 +90,13 @@ class ReplicaGroup:
         if self.batches is None:
             self.position = self.tr.loader.state_dict()
         self.recovered_s = None
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # torchft's quorum RPC: the lighthouse (or this group's manager) is gone
+            f = self.tr.cfg.fault_tolerance
+            raise RuntimeError(f"fault tolerance: step {self.tr.step + 1}: no quorum ({str(e).splitlines()[0][:200]});"
+                               f" is the lighthouse at {check.lighthouse_address(self.tr.cfg)} still up? (waited "
+                               f"fault_tolerance.quorum_timeout_seconds = {f.quorum_timeout_seconds})") from e
         if self.recovered_s is not None:
             seconds = time.perf_counter() - start
             self.recoveries, self.recovery_s = self.recoveries + 1, self.recovery_s + seconds
