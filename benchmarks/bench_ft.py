@@ -1,11 +1,12 @@
 """Fault tolerance (tessera/ft) side by side with the same job without it, in one run on this machine.
 
-    python benchmarks/bench_ft.py [--flavor debugmodel] [--seq_len 128] [--steps 40] [--kill_at 15] [--smoke]
+    python benchmarks/bench_ft.py [--flavor debugmodel] [--seq_len 128] [--steps 100] [--kill_at 15] [--smoke]
         [--out benchmarks/results/ft.json]
 
-(a) Overhead with no failure: 2 replica groups of 1 process under fault tolerance (a lighthouse, a quorum and a
-    commit vote per step, gradients averaged over the groups in buckets) against DDP 2 (data_parallel_replicate 2,
-    one torchrun launch) without it; the median seconds per step of each (the first steps, warming up, left out).
+(a) Overhead with no failure (--overhead_steps each): 2 replica groups of 1 process under fault tolerance (a
+    lighthouse, a quorum and a commit vote per step, gradients averaged over the groups in buckets) against DDP 2
+    (data_parallel_replicate 2, one torchrun launch) without it; the median seconds per step of each (the first
+    steps, warming up, left out).
 (b) Work lost to one failure, SIGKILL at step --kill_at:
     - fault tolerance: group 1 is killed and relaunched at once; group 0 never stops. Reported: the steps group 0
       ran again (not committed when its peer died), the seconds its steps around the failure took beyond the
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402, I001
+from common import RESULTS, smoke_option, write_json  # noqa: E402, I001
 
 from tessera.ft import local  # noqa: E402
 
@@ -55,24 +56,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interval", type=int, default=10, help="checkpoint interval of the restart side")
     p.add_argument("--step_delay", type=float, default=0.1, help="seconds added to each step of the fault-tolerant "
                    "failure run, so that the survivor is still training when the killed group is back")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the script runs")
+    p.add_argument("--overhead_steps", type=int, default=40, help="steps of each run of (a)")
     p.add_argument("--out", default=str(RESULTS / "ft.json"))
+    smoke_option(p, flavor="tiny", seq_len=32, steps=120, kill_at=7, interval=5, overhead_steps=15)
     a = p.parse_args(argv)
-    if a.smoke:
-        a.flavor, a.seq_len, a.steps, a.kill_at, a.interval = "tiny", 32, 120, 7, 5
     tmp = Path(tempfile.mkdtemp(prefix="tessera-bench-ft-"))
-    base = ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
-            str(a.batch), "--training.steps", str(a.steps), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps",
-            "2", "--optimizer.lr", "1e-3"]
+    common = ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
+              str(a.batch), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-3"]
+    base, short = [*common, "--training.steps", str(a.steps)], [*common, "--training.steps", str(a.overhead_steps)]
     server, address = local.start_lighthouse()
-    warm = min(3, a.steps // 3)
+    warm = min(3, a.overhead_steps // 3)
     result: dict = {"flavor": a.flavor, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps}
     try:
         # (a) no failure
-        ddp = torchrun([*base, "--job.dump_folder", str(tmp / "ddp"), "--parallelism.data_parallel_replicate_degree",
+        ddp = torchrun([*short, "--job.dump_folder", str(tmp / "ddp"), "--parallelism.data_parallel_replicate_degree",
                         "2"], tmp / "ddp.log")
         finish(ddp)
-        groups = [local.start_single([*base, "--job.dump_folder", str(tmp / "ft"),
+        groups = [local.start_single([*short, "--job.dump_folder", str(tmp / "ft"),
                                       *local.ft_flags(address, i, 2, 2)], tmp / f"ft{i}.log") for i in range(2)]
         for proc in groups:
             finish(proc)
