@@ -76,6 +76,7 @@ class ReplicaGroup:
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
         self.started = time.perf_counter()
+        self._batch_index = 0
         fetch = tr.batch_fn
         tr.batch_fn = lambda trainer, loader: self._batch(fetch, trainer, loader)
         if tr.world.rank == 0:
@@ -103,7 +104,7 @@ class ReplicaGroup:
             if self.tr.world.rank == 0:
                 log.warning(f"fault tolerance: recovered step {self.tr.step} from a live replica group in "
                             f"{seconds:.2f}s (model, optimizer, scheduler, data position), "
-                            f"{time.perf_counter() - self.started:.1f}s after this group started; quorum "
+                            f"{time.perf_counter() - self.started:.1f}s after this group's model was ready; quorum "
                             f"{self.manager.num_participants()} group(s)")
         self._batch_index = 0
 
