@@ -139,9 +139,10 @@ def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committin
     for group in (1, 2):
         before, back = rows(dump, group)[:lives[group]], rows(dump, group)[lives[group]:]
         assert back and back[0]["ft/recoveries"] == 1, f"seed {seed}: group {group} did not recover from a peer"
-        # Its data position came from the peer, at a step after any it committed before: only samples it never
-        # trained (the data position is a function of the step).
+        # Its data position came from the peer: every sample of its first step back (the step's global batch
+        # before the position it reached) lies past every sample it trained before.
         assert back[0]["step"] > before[-1]["step"]
+        assert back[0]["ft/sample_index"] - 3 * 8 >= before[-1]["ft/sample_index"]  # 3 groups x local batch 8
         assert all(r["ft/state_digest"] == digest[r["step"]] for r in before + back if r["step"] in digest), group
     assert rejoin_s < 60
     assert "recovered step" in procs[2].log.read_text()

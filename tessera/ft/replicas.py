@@ -179,6 +179,8 @@ class ReplicaGroup:
     def metrics(self) -> dict[str, float]:
         record = {"ft/quorum": self.quorum, "ft/recoveries": self.recoveries, "ft/recovery_s": self.recovery_s,
                   "ft/degraded_steps": self.degraded_steps, "ft/uncommitted_steps": self.uncommitted}
+        if "sample_index" in (position := self.tr.loader.state_dict()):  # the global data position reached
+            record["ft/sample_index"] = position["sample_index"]
         if self.tr.cfg.fault_tolerance.log_state_digest:
             record["ft/state_digest"] = self.digest()
         return record
