@@ -193,10 +193,11 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     # and attention's output, a SwiGLU's four (or the dispatched rows and each expert's four); selective op AC, the
     # block's input, attention's output and every other matmul's (one of the SwiGLU's at least); full AC, the input.
     block = 4 * args.dim + 2 * heads * hd + 2 * args.n_kv_heads * hd + 4 * dense_ffn \
-        + (sparse and sparse * moe.top_k * (args.dim + 4 * moe.hidden))
+        + (sparse and sparse * (moe.top_k * (args.dim + 4 * moe.hidden) + 4 * moe.n_shared * moe.hidden))
     ac = cfg.activation_checkpoint
-    kept = {"none": block, "full": args.dim}.get(ac.mode, args.dim + heads * hd + dense_ffn if ac.selective_ac_option
-                                                 == "op" else args.dim + block / int(ac.selective_ac_option))
+    saved_op = args.dim + heads * hd + dense_ffn + (sparse and sparse * moe.n_shared * moe.hidden)
+    kept = {"none": block, "full": args.dim}.get(ac.mode, saved_op if ac.selective_ac_option == "op"
+                                                 else args.dim + block / int(ac.selective_ac_option))
     layers = args.n_layers / dims.pp
     if dims.pp == 1:
         rows, in_flight = t.local_batch_size, 1.0
