@@ -5,7 +5,7 @@ predicted memory and tokens/s.
 It searches the degrees (FSDP, or HSDP with one node's shard groups; TP 1-8 within a node; PP; CP keeping 8k+ tokens
 per GPU; EP for MoE models), the activation checkpointing mode (none, selective op, full), the micro-batch and, under
 PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble). Every candidate must pass the launch checks
-(`tessera.config.validate`); those whose `floor` (the least a rank holds: parameter, gradient and optimizer shards,
+(`tessera.preflight.validate`); those whose `floor` (the least a rank holds: parameter, gradient and optimizer shards,
 the activations in flight counted low, no trace) exceeds 90% of the GPU memory are dropped; the rest are ranked by the
 tokens/s per GPU that `tessera.estimate.cost` predicts (FLOPs over peak x MFU, the pipeline bubble, the communication
 a layout cannot hide), then, best first, checked against the GPU memory with `tessera.estimate`: a layout is proposed
