@@ -5,11 +5,12 @@ predicted memory and tokens/s.
 It searches the degrees (FSDP, or HSDP with one node's shard groups; TP 1-8 within a node; PP; CP keeping 8k+ tokens
 per GPU; EP for MoE models), the activation checkpointing mode (none, selective op, full), the micro-batch and, under
 PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble). Every candidate must pass the launch checks
-(`tessera.config.validate`); candidates are ranked by the tokens/s per GPU that `tessera.estimate.cost` predicts
-(FLOPs over peak x MFU, the pipeline bubble, the communication a layout cannot hide), then, best first, checked against
-the GPU memory with `tessera.estimate`: a layout is proposed only when the estimate's peak fits in 90% of the GPU
-memory. A layout that does not fit rules out, unestimated, those of the same degrees that keep more (less
-recomputation, a larger batch)."""
+(`tessera.preflight.validate`); those whose `floor` (the least a rank holds: parameter, gradient and optimizer shards,
+the activations in flight counted low, no trace) exceeds 90% of the GPU memory are dropped; the rest are ranked by the
+tokens/s per GPU that `tessera.estimate.cost` predicts (FLOPs over peak x MFU, the pipeline bubble, the communication
+a layout cannot hide), then, best first, checked against the GPU memory with `tessera.estimate`: a layout is proposed
+only when the estimate's peak fits in 90% of the GPU memory. A layout that does not fit rules out, unestimated, those
+of the same degrees that keep more (less recomputation, a larger batch)."""
 
 import dataclasses
 import json
@@ -54,6 +55,7 @@ class Candidate:
     tokens_per_s: float = 0.0
     step_s: float = 0.0
     peak: int = 0  # bytes, the exact estimate's
+    floor: int = 0  # bytes, the least it can hold (`floor`)
 
     @property
     def layout(self) -> tuple:
@@ -138,19 +140,21 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
     from tessera import architecture
     args = architecture.resolve(base, None, None)
     counts = fam.counts(args, base.training.seq_len)
-    ranked = []
+    limit, ranked = HEADROOM * memory_gib * GIB, []
     for c in candidates(base, args, gpus, clu.gpus_per_node, global_batch):
         cfg = configure(base, c)
         try:
             dims = validate(cfg, gpus)
         except ConfigError:
             continue
-        t = step_time(cfg, dims, args, counts.flops_per_token, 4 * counts.params * c.replicate // gpus,
-                      c.accumulation, clu)
+        c.floor = floor(cfg, dims, args, counts)
+        if c.floor > limit:
+            continue  # cannot fit: not worth an estimate, nor a place in the ranking
+        t = step_time(cfg, dims, args, counts, c.accumulation, clu)
         c.tokens_per_s, c.step_s = t.tokens_per_s, t.seconds
         ranked.append(c)
     ranked.sort(key=lambda c: -c.tokens_per_s)
-    limit, found, too_big, runs = HEADROOM * memory_gib * GIB, [], {}, 0
+    found, too_big, runs = [], {}, 0
     for c in ranked:
         if len(found) == top or runs >= max_estimates:
             break
@@ -166,6 +170,45 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
         else:
             found.append(c)
     return found, runs
+
+
+def floor(cfg: JobConfig, dims, args, counts) -> int:
+    """Bytes a rank of this layout holds at least, from the model's sizes alone (no trace): its fp32 parameter
+    shards, their gradients and AdamW's two moments (16 B a parameter of a pipeline stage's share of the layers and
+    the larger embedding table; under PP and FSDP also the stage's bf16 parameters, gathered through backward), and
+    what the micro-batches in flight keep (below). Under the traced estimate on every shipped cluster
+    (tests/test_estimate.py), it rules a layout out before its speed is ranked, so that a search at scale spends its
+    estimates on layouts that can fit."""
+    t, p = cfg.training, cfg.parallelism
+    table = args.vocab_size * args.dim
+    stage = (counts.params - 2 * table) / dims.pp + (table if dims.pp > 1 else 2 * table)
+    states = 16 * stage / (dims.tp * dims.dp_shard * dims.cp)
+    if dims.pp > 1 and dims.dp_shard * dims.cp > 1:  # torch's schedules keep the stage gathered through backward
+        states += 2 * stage / dims.tp
+    heads, hd = args.n_heads, args.head_dim
+    moe = getattr(args, "moe", None)
+    sparse = 0.0 if moe is None else moe.n_sparse(args.n_layers) / args.n_layers
+    dense_ffn = (1 - sparse) * getattr(args, "ffn_hidden", 0)
+    # Elements a token keeps per block (the mean over blocks), eagerly: no AC, the norms' inputs and outputs, q, k, v
+    # and attention's output, a SwiGLU's four (or the dispatched rows and each expert's four); selective op AC, the
+    # block's input, attention's output and every other matmul's (one of the SwiGLU's at least); full AC, the input.
+    block = 4 * args.dim + 2 * heads * hd + 2 * args.n_kv_heads * hd + 4 * dense_ffn \
+        + (sparse and sparse * (moe.top_k * (args.dim + 4 * moe.hidden) + 4 * moe.n_shared * moe.hidden))
+    ac = cfg.activation_checkpoint
+    saved_op = args.dim + heads * hd + dense_ffn + (sparse and sparse * moe.n_shared * moe.hidden)
+    kept = {"none": block, "full": args.dim}.get(ac.mode, saved_op if ac.selective_ac_option == "op"
+                                                 else args.dim + block / int(ac.selective_ac_option))
+    layers = args.n_layers / dims.pp
+    if dims.pp == 1:
+        rows, in_flight = t.local_batch_size, 1.0
+    else:
+        n_micro, rows = t.local_batch_size // p.pipeline_parallel_microbatch_size, p.pipeline_parallel_microbatch_size
+        v = 2 if p.pipeline_parallel_schedule in MULTI_STAGE else 1
+        in_flight = min(n_micro * v, (v + 1) * dims.pp - 1) / v if v > 1 and "Interleaved" in \
+            p.pipeline_parallel_schedule else min(n_micro, dims.pp)
+    tokens = rows * t.seq_len / (dims.cp * dims.tp)
+    act = 2 * tokens * (kept * layers * in_flight + (block if ac.mode == "full" else 0))
+    return int(states + act)
 
 
 def describe(c: Candidate) -> str:

@@ -124,7 +124,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
             k.peak -= k.params + k.optimizer
     counts = fam.counts(args, t.seq_len)
     cluster = cluster or Cluster()
-    time = step_time(cfg, dims, args, counts.flops_per_token, max(k.params for k in kinds), grad_accum, cluster)
+    time = step_time(cfg, dims, args, counts, grad_accum, cluster)
     return Estimate(cfg.model.name, cfg.model.flavor, world_size, layout_name(dims), device, t.seq_len,
                     t.local_batch_size, grad_accum, counts.params, kinds, time, cluster, notes)
 

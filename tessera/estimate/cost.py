@@ -7,17 +7,31 @@
   ones) fill two thirds of it.
 - communication, per device, at the bandwidth of the link its group spans (one node: `intra_gbps`, NVLink;
   more: `inter_gbps`, the network), and how much of it compute hides:
-  FSDP all-gathers the bf16 parameters (again in backward, when resharded) and reduce-scatters the fp32
-  gradients, every micro-batch: (group - 1) / group of them; prefetched, it hides behind compute, so only what
-  exceeds the compute shows. HSDP adds an all-reduce of the gradient shards across replicas (exposed).
+  FSDP all-gathers the bf16 parameters and reduce-scatters the fp32 gradients, (group - 1) / group of them. The
+  dense parameters (attention, norms, embeddings, dense and shared FFNs, routers) are sharded over data x context
+  parallel ranks; the routed experts, split over EP ranks first, only over the data-parallel ranks left to each
+  (data x context x tensor / EP: none at all when EP takes them all). Without PP: a gather forward, again backward
+  (when resharded) and a reduce-scatter every micro-batch, prefetched behind that micro-batch's compute: only what
+  exceeds it shows. Under PP (torch's schedules keep parameters gathered after the first backward and reduce once
+  at the end of the step): a gather per warm-up forward and for the first backward, each hidden behind one
+  micro-batch's compute, and the reduce-scatter after the last backward, hidden behind that backward only.
+  HSDP adds an all-reduce of the gradient shards across replicas (exposed).
   TP (sequence parallel): per layer and micro-batch, 4 all-gathers / reduce-scatters of the residual stream
   forward and 4 backward, (TP - 1) / TP of it each; exposed (async TP hides half).
   CP: per layer, an all-gather of keys and values forward and a reduce-scatter of their gradients backward;
   exposed. EP: per MoE layer, tokens x top-k rows to their experts and back, forward and backward; exposed.
-  PP: each micro-batch's boundary activations and their gradients between stages; exposed.
+  Full activation checkpointing runs the forward's TP, CP and EP collectives again in backward.
+  PP: each micro-batch's boundary activations and their gradients, at each of a rank's stages; exposed.
+
+What it ignores (see the README's "What the time model ignores"): compute and communication of one rank sharing the
+GPU (NCCL kernels slow the matmuls they overlap); uneven expert loads (the step waits for the busiest EP rank; under
+even routing, as the estimate traces); MFU falling with small micro-batches and few tokens per expert; the first
+gather and last reduce that no compute hides; network congestion and the topology beyond node / not node.
 """
 
 import dataclasses
+
+from tessera.parallel.pp_layout import MULTI_STAGE
 
 
 @dataclasses.dataclass
@@ -59,34 +73,61 @@ def _bw(span: int, cluster: Cluster) -> float:
     return (cluster.intra_gbps if span <= cluster.gpus_per_node else cluster.inter_gbps) * 1e9
 
 
-def step_time(cfg, dims, args, flops_per_token: float, param_bytes: int, grad_accum: int,
-              cluster: Cluster) -> StepTime:
-    """`param_bytes`: this rank's parameter shards (fp32), what FSDP gathers and reduces."""
+def routed_params(args, counts) -> int:
+    """Parameters of the routed experts (0 for a dense model): those a token does not use are params - active,
+    (E - k) / E of them."""
+    moe = getattr(args, "moe", None)
+    if moe is None or moe.n_experts <= moe.top_k:
+        return 0
+    return (counts.params - counts.active) * moe.n_experts // (moe.n_experts - moe.top_k)
+
+
+def step_time(cfg, dims, args, counts, grad_accum: int, cluster: Cluster) -> StepTime:
+    """`counts`: the family's parameter and FLOP counts (tessera.models.contract.Counts) at the run's seq_len."""
     t, p = cfg.training, cfg.parallelism
     n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
-    per_rank_stages = 2 if p.pipeline_parallel_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                                                           "ZBVZeroBubble", "DualPipeV") else 1
+    per_rank_stages = 2 if p.pipeline_parallel_schedule in MULTI_STAGE else 1
     tokens = t.local_batch_size * t.seq_len * dims.dp * grad_accum
-    flops = flops_per_token * tokens
+    flops = counts.flops_per_token * tokens
     ac = cfg.activation_checkpoint
     compute = flops / dims.world_size * (1 + recompute_share(ac.mode, ac.selective_ac_option)) \
         / (cluster.peak_tflops * 1e12 * cluster.mfu)
     bubble = compute * bubble_share(p.pipeline_parallel_schedule, dims.pp, n_micro, per_rank_stages)
-    exposed = _exposed_comm(cfg, dims, args, param_bytes, grad_accum, compute, cluster)
+    exposed = _fsdp(cfg, dims, args, counts, grad_accum, compute / (grad_accum * n_micro), n_micro, cluster) \
+        + _activations_comm(cfg, dims, args, grad_accum, per_rank_stages, cluster)
     seconds = compute + bubble + exposed
     return StepTime(compute, bubble, exposed, seconds, tokens / dims.world_size / seconds, flops)
 
 
-def _exposed_comm(cfg, dims, args, param_bytes: int, grad_accum: int, compute: float, cluster: Cluster) -> float:
+def _fsdp(cfg, dims, args, counts, grad_accum: int, micro_compute: float, n_micro: int, cluster: Cluster) -> float:
+    """Exposed seconds of FSDP's gathers and reductions (and HSDP's all-reduce); `micro_compute`: one micro-batch's
+    compute (forward and backward)."""
+    routed = routed_params(args, counts)
+    dense_group, expert_group = dims.dp_shard * dims.cp, dims.dp_shard * dims.cp * dims.tp // max(dims.ep, 1)
+    # Each rank's share of a stage's parameters before FSDP shards them, and the ranks FSDP shards them over.
+    groups = [((counts.params - routed) / (dims.pp * dims.tp), dense_group),
+              (routed / (dims.pp * dims.ep), expert_group)]
+    bw = _bw(dims.dp_shard * dims.cp * dims.tp, cluster)  # both groups span the data x context x tensor ranks
+    gather = sum(2 * n * (g - 1) / g for n, g in groups if g > 1) / bw  # bf16
+    reduce = sum(4 * n * (g - 1) / g for n, g in groups if g > 1) / bw  # fp32
+    shard = sum(4 * n / g for n, g in groups)
+    hsdp = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * shard / _bw(dims.world_size // dims.pp, cluster)
+    if dims.pp == 1:
+        passes = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
+        per_micro = max(0.0, passes * gather + reduce - micro_compute)
+    else:  # gathers for the warm-up forwards (1F1B: up to PP of them) and the first backward, then kept
+        gathers = min(n_micro, dims.pp) + 1
+        per_micro = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
+    return grad_accum * per_micro + hsdp
+
+
+def _activations_comm(cfg, dims, args, grad_accum: int, per_rank_stages: int, cluster: Cluster) -> float:
+    """Exposed seconds of the collectives on activations: TP, CP, EP, PP."""
     t, p = cfg.training, cfg.parallelism
     act = 2  # bytes per activation element (bf16)
     layers = args.n_layers / dims.pp
     rows = t.local_batch_size * grad_accum * t.seq_len / dims.cp  # tokens a rank's CP/TP group runs per step
-    fsdp = dims.dp_shard * dims.cp
-    passes = grad_accum * (1 if p.fsdp_reshard_after_forward == "never" else 2)  # gathers per step: fwd (+ bwd)
-    # Gathered in bf16 (half the fp32 shard's bytes from each of the others), reduced in fp32.
-    fsdp_s = (fsdp - 1) * param_bytes * (passes / 2 + grad_accum) / _bw(fsdp * dims.tp, cluster) if fsdp > 1 else 0.0
-    hsdp_s = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * param_bytes / _bw(dims.world_size // dims.pp, cluster)
+    again = 1.5 if cfg.activation_checkpoint.mode == "full" else 1.0  # forward collectives run again in backward
     tp_s = 8 * (dims.tp - 1) / dims.tp * rows * args.dim * act * layers / _bw(dims.tp, cluster)
     kv = getattr(args, "n_kv_heads", args.n_heads) * getattr(args, "head_dim", args.dim // args.n_heads) / dims.tp
     cp_s = 2 * (dims.cp - 1) * rows * 2 * kv * act * layers / _bw(dims.cp * dims.tp, cluster)
@@ -96,7 +137,8 @@ def _exposed_comm(cfg, dims, args, param_bytes: int, grad_accum: int, compute: f
         moe_layers = moe.n_sparse(args.n_layers) / dims.pp
         ep_s = 4 * (dims.ep - 1) / dims.ep * rows / dims.tp * moe.top_k * args.dim * act * moe_layers \
             / _bw(dims.ep, cluster)
-    pp_s = 2 * rows / dims.tp * args.dim * act / _bw(dims.world_size, cluster) if dims.pp > 1 else 0.0
+    pp_s = 2 * per_rank_stages * rows / dims.tp * args.dim * act / _bw(dims.world_size, cluster) if dims.pp > 1 \
+        else 0.0
     if p.enable_async_tensor_parallel:
         tp_s /= 2
-    return max(0.0, fsdp_s - compute) + hsdp_s + tp_s + cp_s + ep_s + pp_s
+    return again * (tp_s + cp_s + ep_s) + pp_s
