@@ -115,6 +115,10 @@ class Training:
                                      choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = opt(False, "keep sharded params, grads and optimizer state in CPU memory (FSDP2)")
+    loss_chunks: int = opt(8, "the output head and the token cross-entropy run over this many slices of each "
+                           "sequence, one at a time, so the whole [tokens, vocab] logits never exist (backward "
+                           "recomputes a slice's logits: one more head matmul); 1 = the whole logits at once; "
+                           "families with a loss of their own (Flux) ignore it", min=1)
     nonfinite_policy: str = opt("stop", "a step whose loss or grad norm is not finite: stop (the run ends naming it; "
                                 "no checkpoint is saved after it) or skip (no update: counted, logged, and the run "
                                 "goes on; costs a host sync per step)", choices=("stop", "skip"))

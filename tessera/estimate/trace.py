@@ -23,7 +23,15 @@ from tessera.models.common import attention
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
 from tessera.train import forward_backward
-from tessera.trainer import build_side_losses, loss_fn, micro_batches, token_inputs, training_loss, uses_loss_parallel
+from tessera.trainer import (
+    build_side_losses,
+    labels_in_forward,
+    micro_batches,
+    set_token_loss,
+    step_loss,
+    token_inputs,
+    uses_loss_parallel,
+)
 
 _SMALL = 1 << 16  # integer tensors up to this many elements carry values under EvenRouting
 _COLLECTIVES = ("c10d", "_c10d_functional", "fsdp")
@@ -236,11 +244,12 @@ def _batch(cfg, world: World, batch: int, vocab: int, bos: int | None) -> tuple[
 def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int, bos: int | None,
                 fake: FakeTensorMode) -> StageTrace:
     """The whole model (no pipelining): the trainer's own forward_backward for the step's micro-batches."""
-    loss = training_loss(cfg, world, spec.loss or loss_fn)
+    loss = step_loss(cfg, world, spec)
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     tr = SimpleNamespace(pipeline=None, loss_parallel=uses_loss_parallel(cfg, world), model=model, loss_fn=loss,
                          autocast=torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext(),
-                         extra_loss=spec.extra_loss, document_bos=bos, grad_accum=grad_accum)
+                         extra_loss=spec.extra_loss, document_bos=bos, grad_accum=grad_accum,
+                         labels_in_forward=labels_in_forward(cfg, spec))
     _configure(cfg, world, model, grad_accum)
     with counting(fake, model) as meter:
         meter.track(list(model.parameters()) + list(model.buffers()))
@@ -294,6 +303,7 @@ def _configure(cfg, world: World, model: nn.Module, grad_accum: int) -> None:
     if experts.moe_layers(model):
         experts.configure(experts.moe_layers(model), cfg.moe, micro_batches(cfg, world, grad_accum))
     build_side_losses(cfg, world, model, grad_accum)
+    set_token_loss(cfg, world, model)
 
 
 def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: FakeTensorMode) -> StageTrace:
@@ -304,7 +314,8 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
     part, is_first, is_last = stage.submod, stage.is_first, stage.is_last
     _configure(cfg, world, part, grad_accum)
     p, t = cfg.parallelism, cfg.training
-    loss = training_loss(cfg, world, spec.loss or loss_fn)
+    loss = step_loss(cfg, world, spec)
+    own_loss = is_last and labels_in_forward(cfg, spec)
     share = micro_batches(cfg, world, grad_accum)
     mb, seq = p.pipeline_parallel_microbatch_size, t.seq_len // world.dims.cp
     # Between stages: the residual stream, sequence-parallel under TP, in FSDP's compute dtype (else fp32).
@@ -316,7 +327,7 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         grad = None if is_last else torch.empty_like(boundary)
 
     def forward(x):
-        out = part(x)
+        out = part(x, labels=labels) if own_loss else part(x)
         return out, loss(out, labels) / share if is_last else None, x
 
     def backward(run) -> None:
