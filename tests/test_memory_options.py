@@ -2,7 +2,6 @@
 (metrics.live_memory) shows the bytes it saves."""
 
 import pytest
-import torch
 
 from tests.dist_worker import run_grads
 from tests.launch import assert_matches, run_local

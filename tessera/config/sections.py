@@ -150,6 +150,13 @@ class Parallelism:
                                                         "layers_per_stage)")
     pipeline_parallel_first_stage_less_layers: int = opt(1, "layers the first stage gives up for the embedding", min=0)
     pipeline_parallel_last_stage_less_layers: int = opt(1, "layers the last stage gives up for norm and output", min=0)
+    pipeline_parallel_grad_reduce: str = opt("step", "under PP + FSDP, when gradients are reduce-scattered: step = "
+                                             "once, after the step's last micro-batch (a stage holds its whole "
+                                             "gradients and gathered parameters until then); microbatch = after "
+                                             "each micro-batch's backward (only sharded gradients are held; an "
+                                             "all-gather and a reduce-scatter per micro-batch); zero-bubble "
+                                             "schedules' split backwards reduce at the step's end",
+                                             choices=("step", "microbatch"))
     context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
     expert_parallel_degree: int = opt(1, "MoE models: ranks that split each layer's routed experts, taken from the "
                                       "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
