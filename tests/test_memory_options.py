@@ -2,6 +2,7 @@
 (metrics.live_memory) shows the bytes it saves."""
 
 import pytest
+import torch
 
 from tests.dist_worker import run_grads
 from tests.launch import assert_matches, run_local
@@ -36,3 +37,23 @@ def test_chunked_loss_cuts_the_logits_term_of_the_peak(tmp_path):
     logits = 3 * 1024 * 32_010 * 4
     # Measured: 402.5 MiB whole, 82.3 MiB in 8 chunks (the logits term 375 MiB -> 47 MiB).
     assert abs((peak["1"] - peak["8"]) - logits * (1 - 1 / 8)) < 0.05 * logits, peak
+
+
+# ---------------------------------------------------------------- bf16 Adam moments
+
+def test_bf16_moments_halve_the_state_and_stay_near_fp32_states(tmp_path):
+    """optimizer.state_dtype = bfloat16: both moments are bf16 (the parameters fp32), half the bytes; over 20 steps
+    the loss stays within 1e-3 of fp32 states (measured: at most 9.1e-5) and is not the same run."""
+    from tests.dist_worker import _trainer, step_and_record
+
+    runs, state_bytes = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        tr = _trainer(["--training.local_batch_size", "4", "--optimizer.state_dtype", dtype], 20, str(tmp_path / dtype))
+        runs[dtype] = step_and_record(tr, 20)
+        moments = [v for s in tr.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")]
+        assert {m.dtype for m in moments} == {getattr(torch, dtype)}
+        assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
+        state_bytes[dtype] = sum(m.nbytes for m in moments)
+    assert state_bytes["bfloat16"] * 2 == state_bytes["float32"]
+    gaps = [abs(a - b) for a, b in zip(runs["bfloat16"]["losses"], runs["float32"]["losses"], strict=True)]
+    assert 0 < max(gaps) < 1e-3, gaps

@@ -71,6 +71,10 @@ class Optimizer:
     muon_update_scale: str = opt("match_rms_adamw", "Muon: lr factor per matrix [rows, cols]: match_rms_adamw = "
                                  "0.2 sqrt(max(rows, cols)), the update RMS of AdamW (its lr carries over); original "
                                  "= sqrt(max(1, rows/cols)); none = 1", choices=("match_rms_adamw", "original", "none"))
+    state_dtype: str = opt("float32", "AdamW/Adam (not Muon): dtype of the two moments between steps: bfloat16 "
+                           "halves the optimizer state (parameters, gradients and the update stay float32; each "
+                           "parameter's update widens its moments for the step, one parameter at a time)",
+                           choices=("float32", "bfloat16"))
 
 
 @dataclass

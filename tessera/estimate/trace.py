@@ -20,6 +20,7 @@ from tessera import experts
 from tessera.distributed import World, mesh_world
 from tessera.memory import LiveBytes
 from tessera.models.common import attention
+from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
 from tessera.train import forward_backward
@@ -222,10 +223,11 @@ class StageTrace:
     transient_phases: tuple[int, ...] = ()  # first block and after); each is its phases' largest
 
 
-def optimizer_bytes(module: nn.Module) -> int:
-    """AdamW/Adam keeps exp_avg and exp_avg_sq like each parameter (its local shard) and a step count."""
+def optimizer_bytes(module: nn.Module, state_dtype: str = "float32") -> int:
+    """AdamW/Adam keeps exp_avg and exp_avg_sq like each parameter (its local shard), or in bf16
+    (optimizer.state_dtype), and a step count."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
-    return sum(2 * p.numel() * p.element_size() + 4 for p in local)
+    return sum(state_bytes(p.numel() * p.element_size(), p.numel(), state_dtype) for p in local)
 
 
 def materialize(module: nn.Module, world: World, fake: FakeTensorMode) -> None:
@@ -266,7 +268,8 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
             phases.append(meter.peak)
         for hook in hooks:
             hook.remove()
-        return StageTrace(params=base, optimizer=optimizer_bytes(model), grads=grads, act=forward_end[0] - base,
+        return StageTrace(params=base, optimizer=optimizer_bytes(model, cfg.optimizer.state_dtype), grads=grads,
+                          act=forward_end[0] - base,
                           peak=max(phases), transient=0, first=0, end=0, comm=meter.comm_peak, io=0,
                           phases=tuple(phases))
 
@@ -366,7 +369,8 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         stage.perform_reduce_grad(1)
         for hook in hooks:
             hook.remove()
-        return StageTrace(params=base, optimizer=optimizer_bytes(part), grads=with_grads - one, act=two - one,
+        return StageTrace(params=base, optimizer=optimizer_bytes(part, cfg.optimizer.state_dtype),
+                          grads=with_grads - one, act=two - one,
                           peak=0, transient=max(transient), first=max(first), end=meter.peak - after,
                           comm=meter.comm_peak, io=boundary.numel() * boundary.element_size(),
                           first_phases=first, transient_phases=transient)
