@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_local
+from tests.launch import assert_matches, run_dist, run_local
 from tests.test_prepared import word_tokenizer
 
 STEPS = 3
@@ -37,6 +37,30 @@ def test_chunked_loss_cuts_the_logits_term_of_the_peak(tmp_path):
     logits = 3 * 1024 * 32_010 * 4
     # Measured: 402.5 MiB whole, 82.3 MiB in 8 chunks (the logits term 375 MiB -> 47 MiB).
     assert abs((peak["1"] - peak["8"]) - logits * (1 - 1 / 8)) < 0.05 * logits, peak
+
+
+# ---------------------------------------------------------------- PP + FSDP: gradients reduced per micro-batch
+
+PP_FSDP = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "4",
+           "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+
+
+def test_reducing_each_microbatch_holds_only_sharded_gradients(tmp_path):
+    """PP 2 x FSDP 2, 4 micro-batches. Estimated: torch's way holds each stage's whole gradients and gathered
+    parameters to the step's end (grads about 4 x the stage's parameter shards); reduced per micro-batch, about
+    the shards' size. Counted live (metrics.live_memory): the peak falls too (measured 41.2 -> 37.1 MiB)."""
+    from tessera.config import parse_args
+    from tessera.estimate.core import estimate
+
+    kinds, peak = {}, {}
+    for mode in ("step", "microbatch"):
+        flags = [*PP_FSDP, "--parallelism.pipeline_parallel_grad_reduce", mode]
+        kinds[mode] = estimate(parse_args(flags), 4, "cpu").kinds
+        metrics = run_dist(4, tmp_path / mode, *flags, "--training.steps", "2", "--metrics.live_memory")
+        peak[mode] = metrics[-1]["live_peak_gib"] * 2**30
+    for step, each in zip(kinds["step"], kinds["microbatch"], strict=True):
+        assert step.grads > 3.5 * step.params and each.grads < each.params, (step, each)
+    assert peak["microbatch"] < peak["step"] - 3 * 2**20, peak
 
 
 # ---------------------------------------------------------------- bf16 Adam moments
