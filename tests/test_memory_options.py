@@ -13,15 +13,14 @@ STEPS = 3
 
 # ---------------------------------------------------------------- chunked output head and loss
 
-@pytest.fixture(scope="module")
-def whole_logits():
-    return run_grads(["--training.local_batch_size", "4", "--training.loss_chunks", "1"], STEPS)
+MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp"]  # its depths' losses are chunked too
 
 
-@pytest.mark.parametrize("chunks", ["8", "3"])  # 3: slices of 11, 11 and 10 tokens
-def test_chunked_loss_equals_the_whole_logits(chunks, whole_logits):
-    chunked = run_grads(["--training.local_batch_size", "4", "--training.loss_chunks", chunks], STEPS)
-    assert_matches(chunked, whole_logits, 1e-6)
+@pytest.mark.parametrize(("model", "chunks"), [([], "8"), ([], "3"), (MTP, "8")])  # 3: slices of 11, 11, 10 tokens
+def test_chunked_loss_equals_the_whole_logits(model, chunks):
+    whole = run_grads([*model, "--training.local_batch_size", "4", "--training.loss_chunks", "1"], STEPS)
+    chunked = run_grads([*model, "--training.local_batch_size", "4", "--training.loss_chunks", chunks], STEPS)
+    assert_matches(chunked, whole, 1e-6)
 
 
 def test_chunked_loss_cuts_the_logits_term_of_the_peak(tmp_path):
