@@ -63,7 +63,8 @@ class Trainer:
     peak_flops: float
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
-    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss"
+    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss";
+    # model_loss when the model computes it (labels_in_forward)
     batch_fn: Callable  # (trainer, loader) -> this rank's (model inputs by keyword, labels) on its device: the
     # family's, or token_batch
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
