@@ -80,3 +80,25 @@ def test_bf16_moments_halve_the_state_and_stay_near_fp32_states(tmp_path):
     assert state_bytes["bfloat16"] * 2 == state_bytes["float32"]
     gaps = [abs(a - b) for a, b in zip(runs["bfloat16"]["losses"], runs["float32"]["losses"], strict=True)]
     assert 0 < max(gaps) < 1e-3, gaps
+
+
+# ---------------------------------------------------------------- experts split by rows instead of padded
+
+def test_experts_a_rank_cannot_hold_whole_are_split_by_rows_without_padding():
+    """Qwen 3 MoE debug (8 experts [8, 32, 64] x 3 per layer, 2 layers) on 16 ranks, EP 8: one expert per EP rank,
+    split over an FSDP group of 2. Whole experts pad it to two (one rank holds an empty one); auto splits each
+    expert's rows, half a rank, no padding: the live bytes of parameters (counted as metrics.live_memory counts
+    them, on the estimate's fake ranks) fall by exactly that half expert per layer, and gradients and Adam's
+    state with them."""
+    from tessera.config import parse_args
+    from tessera.estimate.core import estimate
+
+    kinds = {}
+    for mode in ("experts", "auto"):
+        cfg = parse_args(["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
+                          "--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "8",
+                          "--parallelism.expert_fsdp_shard", mode])
+        (kinds[mode],) = estimate(cfg, 16, "cpu").kinds
+    padding = 2 * 3 * 32 * 64 * 4 // 2  # layers x (w1, w2, w3) x half an expert's fp32 bytes
+    assert kinds["experts"].params - kinds["auto"].params == padding, kinds
+    assert kinds["experts"].optimizer - kinds["auto"].optimizer == 2 * padding, kinds

@@ -166,6 +166,11 @@ class Parallelism:
                                       "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
                                       "of CP x TP dividing that, and the experts); tokens travel to their experts' "
                                       "rank and back (all-to-all)", min=1)
+    expert_fsdp_shard: str = opt("auto", "how FSDP splits routed experts' weights [experts, rows, columns]: "
+                                 "experts = whole experts per rank (padded with empty experts when a rank's EP share "
+                                 "does not divide by its FSDP group); rows = every expert along its rows (w1, w3: "
+                                 "hidden; w2: dim); auto = rows where whole experts would be padded and the rows "
+                                 "divide evenly", choices=("auto", "experts", "rows"))
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the "
                                           "root",
                                           choices=("default", "always", "never"))

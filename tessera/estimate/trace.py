@@ -114,7 +114,8 @@ class EvenRouting(TorchDispatchMode):
             if self.get(t) is None:
                 flat = torch.zeros(st.nbytes() // t.element_size(), dtype=t.dtype)
                 self.store[key] = (weakref.ref(st, lambda _, k=key: self.store.pop(k, None)), flat)
-            self.get(t).copy_(value.reshape(t.shape))
+            # A clone: a view's value (labels cut in chunks) may be a view of the very elements it is written to.
+            self.get(t).copy_(value.reshape(t.shape).clone())
 
     def forget(self, t: torch.Tensor) -> None:
         self.store.pop(id(t.untyped_storage()), None)
