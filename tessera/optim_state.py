@@ -15,17 +15,13 @@ class Bf16MomentsMixin:
     state_dtype = torch.bfloat16
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure=None) -> None:
+        if closure is not None:  # the trainer computes the loss itself
+            raise NotImplementedError("optimizer.state_dtype = bfloat16: step() takes no closure")
         for group in self.param_groups:
-            fused = bool(group["fused"])
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group, fused)
-        return loss
+                    self._update(p, group, bool(group["fused"]))
 
     def _update(self, p: torch.Tensor, group: dict, fused: bool) -> None:
         state = self.state[p]
