@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.config.sections import LRScheduler, Optimizer
 from tessera.muon import Muon, muon_settings
+from tessera.optim_state import with_state_dtype
 from tessera.param_groups import param_groups
 
 
@@ -20,7 +21,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, role=None) -> torch.optim.
     if cfg.name == "Muon":
         return Muon(params, muon_settings(cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                     weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
-    cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+    cls = with_state_dtype(torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam, cfg.state_dtype)
     return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
 

@@ -49,6 +49,8 @@ def forward_backward(tr: Trainer, inputs: dict, labels: torch.Tensor, train: boo
     the model's by keyword. Under pipelining the schedule runs both (the first stage takes the tokens, every stage
     the rest); only the last stage sees the loss (others return 0)."""
     pipe = tr.pipeline
+    if tr.labels_in_forward:
+        inputs = {**inputs, "labels": labels}
     with loss_context(tr.loss_parallel):
         if pipe is None:
             with tr.autocast:

@@ -18,6 +18,8 @@ from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.ft import check as ft_check
 from tessera.metrics import MetricsLogger, peak_flops
+from tessera.models.common.chunked_loss import summed_cross_entropy
+from tessera.models.common.decoder import Decoder
 from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
 from tessera.models.contract import RunView
@@ -61,7 +63,8 @@ class Trainer:
     peak_flops: float
     autocast: contextlib.AbstractContextManager
     loss_parallel: bool
-    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss"
+    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss";
+    # model_loss when the model computes it (labels_in_forward)
     batch_fn: Callable  # (trainer, loader) -> this rank's (model inputs by keyword, labels) on its device: the
     # family's, or token_batch
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
@@ -76,6 +79,7 @@ class Trainer:
     history: list[dict] = field(default_factory=list)
     live_bytes: object | None = None  # metrics.live_memory: a tessera.memory.LiveBytes counting while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
+    labels_in_forward: bool = False  # the model takes the labels and returns its loss (training.loss_chunks)
 
     # The counters, by their names in the loop.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
@@ -120,6 +124,31 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def model_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss of a model that computed it itself (given the labels, see labels_in_forward)."""
+    return out
+
+
+def labels_in_forward(cfg: JobConfig, spec) -> bool:
+    """Whether the model computes its token loss itself, its head a chunk of tokens at a time (training.loss_chunks
+    > 1): the decoder families, whose loss is the token cross-entropy."""
+    return spec.loss is None and issubclass(spec.model, Decoder) and cfg.training.loss_chunks > 1
+
+
+def step_loss(cfg: JobConfig, world: World, spec) -> Callable:
+    """(model output, labels) -> the micro-batch's loss: the family's (or the token cross-entropy), or the model's
+    own output when it computes its loss itself."""
+    return model_loss if labels_in_forward(cfg, spec) else training_loss(cfg, world, spec.loss or loss_fn)
+
+
+def set_token_loss(cfg: JobConfig, world: World, model: nn.Module) -> None:
+    """The chunk count and the summed cross-entropy (compiled with the loss) of the decoder(s) in `model`."""
+    chunk_loss = training_loss(cfg, world, summed_cross_entropy)
+    for module in model.modules():
+        if isinstance(module, Decoder):
+            module.loss_chunks, module.chunk_loss = cfg.training.loss_chunks, chunk_loss
+
+
 def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
                 loss: Callable) -> tuple[nn.Module, Pipeline | None]:
     """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` is what
@@ -130,6 +159,7 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
     if spec.extra_loss is not None and world.dims.pp > 1:
         raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.name}'s auxiliary loss is not carried "
                           f"through pipeline stages yet; use FSDP/TP/CP")
+    set_token_loss(cfg, world, model)
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)
@@ -235,7 +265,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
         check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
     per_pass = t.local_batch_size * world.dims.dp * ft_check.groups(cfg)  # fault tolerance: over replica groups too
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_pass
-    loss = training_loss(cfg, world, spec.loss or loss_fn)
+    loss = step_loss(cfg, world, spec)
     model, pipeline = build_model(cfg, world, args, grad_accum, loss)
     optimizer = build_optimizer(model, cfg.optimizer, param_role(models.family(cfg.model.name), spec.blocks))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
@@ -270,7 +300,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
                  balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),
                  side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,
-                 evaluate=spec.evaluate)
+                 evaluate=spec.evaluate, labels_in_forward=labels_in_forward(cfg, spec))
     tr.checkpointer.load(resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)
     if cfg.fault_tolerance.enable:

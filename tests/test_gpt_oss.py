@@ -113,8 +113,9 @@ def test_the_debug_model_trains():
 
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
     """Under EP 2 and FSDP 2 each rank reads and writes only its experts of the fused, transposed tensors (a
-    layout rewrapped per rank); lr 0 keeps the weights, so the export equals the HF model exactly. From MXFP4
-    blocks under EP 2, the export holds the dequantized experts exactly."""
+    layout rewrapped per rank; experts FSDP splits by rows are regrouped by experts for it); lr 0 keeps the
+    weights, so the export equals the HF model exactly. From MXFP4 blocks under EP 2, the export holds the
+    dequantized experts exactly."""
     from transformers import GptOssForCausalLM
 
     from tests.launch import run_dist
@@ -125,7 +126,7 @@ def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
            "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
            "--training.local_batch_size", "2"]
     ep = ["--parallelism.expert_parallel_degree", "2"]
-    for name, layout in (("ep", ep), ("fsdp", [])):
+    for name, layout in (("ep", ep), ("fsdp", []), ("fsdp_rows", ["--parallelism.expert_fsdp_shard", "rows"])):
         run_dist(2, tmp_path / name, *run, *layout)
         exported = GptOssForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
         for key, value in theirs.state_dict().items():

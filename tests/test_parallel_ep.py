@@ -23,6 +23,7 @@ def ep(n: int, batch: int, *more: str) -> list[str]:
 
 PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")
 TP = ("--parallelism.tensor_parallel_degree", "2")
+ROWS = "--parallelism.expert_fsdp_shard=rows"  # FSDP splits every expert along its rows
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,14 @@ def test_ep2_ep2_x_cp2_and_ep2_compiled(tmp_path, reference):
 
 
 def test_ep2_with_fsdp_hsdp_tp_pp_and_the_aux_loss_under_pp_and_accumulation(tmp_path, reference):
-    """4 ranks: EP 2 x FSDP (dense sharded 4 ways, experts 2), HSDP 2x2 x EP 2, EP 2 x TP 2, EP 2 x PP 2; then the
-    sequence-wise aux loss (its gradient starts at each layer, on whichever stage) under PP 2 x EP 2 with 2
-    accumulation steps against one process adding it to the loss; PP 2 x EP 2 with a dense first block, so
-    that the first stage holds no experts; and EP 2 x TP 2 with it (its SwiGLU split by TP, as a dense model's)."""
+    """4 ranks: EP 2 x FSDP (dense sharded 4 ways, experts 2; and the experts split by rows), HSDP 2x2 x EP 2,
+    EP 2 x TP 2, EP 2 x PP 2; then the sequence-wise aux loss (its gradient starts at each layer, on whichever
+    stage) under PP 2 x EP 2 with 2 accumulation steps against one process adding it to the loss; PP 2 x EP 2 with
+    a dense first block, so that the first stage holds no experts; and EP 2 x TP 2 with it (its SwiGLU split by
+    TP, as a dense model's)."""
     dense_first = ["--model.flavor", "debugmodel_moe_dense_first"]
-    cases = [ep(2, 2), ep(2, 2, "--parallelism.data_parallel_replicate_degree", "2"), ep(2, 4, *TP), ep(2, 4, *PP),
+    cases = [ep(2, 2), ep(2, 2, ROWS), ep(2, 2, "--parallelism.data_parallel_replicate_degree", "2"), ep(2, 4, *TP),
+             ep(2, 4, *PP),
              ep(2, 2, *PP[:2], "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size",
                 "8", *AUX), ep(2, 4, *PP, *dense_first), ep(2, 4, *TP, *dense_first)]
     *layouts, aux, no_experts_stage, tp_dense_first = run_cases(4, tmp_path, cases, STEPS)
@@ -61,15 +64,16 @@ def test_8_ranks_ep_x_fsdp_x_tp_x_pp_with_full_activation_checkpointing(tmp_path
 
 
 def test_checkpoints_reshard_across_ep_degrees(tmp_path):
-    """Saved under EP 2 at step 4, resumed with one process, EP 4, and FSDP 2 without EP: each continues the
-    uninterrupted run (losses 5-8, final parameters and expert biases)."""
+    """Saved under EP 2 at step 4, resumed with one process, EP 4, and FSDP 2 without EP (splitting every expert
+    by rows): each continues the uninterrupted run (losses 5-8, final parameters and expert biases)."""
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
     src = tmp_path / "ep2"
     (full,) = run_cases(2, tmp_path, [["--job.dump_folder", str(src), *ep(2, 4), *ckpt]], 8, mode="train")
     one = run_train(["--job.dump_folder", str(resume_copy(src, tmp_path / "one", 4)), *ep(1, 8), *ckpt], 8)
     four, fsdp = run_cases(4, tmp_path, [
         ["--job.dump_folder", str(resume_copy(src, tmp_path / "ep4", 4)), *ep(4, 2), *ckpt],
-        ["--job.dump_folder", str(resume_copy(src, tmp_path / "fsdp", 4)), *ep(1, 2), *ckpt]], 8, mode="train")
+        ["--job.dump_folder", str(resume_copy(src, tmp_path / "fsdp", 4)), *ep(1, 2, ROWS), *ckpt]], 8,
+        mode="train")
     for resumed in (one, four, fsdp):
         assert resumed["start"] == 4
         for step in range(5, 9):

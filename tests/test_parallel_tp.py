@@ -16,10 +16,13 @@ def reference():
 
 
 def test_tp2_with_and_without_loss_parallel(tmp_path, reference):
+    """The loss chunked (the default, as the reference's), vocab-sharded or gathered; and unchunked."""
     tp2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
-    with_lp, without_lp = run_cases(2, tmp_path, [tp2, [*tp2, "--parallelism.disable_loss_parallel"]], STEPS)
+    with_lp, without_lp, whole_logits = run_cases(2, tmp_path, [tp2, [*tp2, "--parallelism.disable_loss_parallel"],
+                                                                [*tp2, "--training.loss_chunks", "1"]], STEPS)
     assert_matches(with_lp, reference, TOL)
     assert_matches(without_lp, reference, TOL)
+    assert_matches(whole_logits, reference, TOL)
 
 
 def test_fsdp2_x_tp2(tmp_path, reference):

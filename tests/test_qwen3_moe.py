@@ -73,10 +73,10 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
 
 
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
-    """Experts in blocks 0 and 3 of 4 (dense between). Under EP 2, EP 2 x FSDP 4 (experts sharded over both),
-    FSDP 2 and PP 2 x EP 2 (each stage a dense and a MoE block) each rank reads and writes only the experts it
-    holds; lr 0 keeps the weights, so the export equals the HF model exactly (the trained expert bias is not
-    part of HF's format)."""
+    """Experts in blocks 0 and 3 of 4 (dense between). Under EP 2, EP 2 x FSDP 4 (experts sharded over both;
+    and FSDP splitting every expert by rows), FSDP 2 and PP 2 x EP 2 (each stage a dense and a MoE block) each
+    rank reads and writes only the experts it holds; lr 0 keeps the weights, so the export equals the HF model
+    exactly (the trained expert bias is not part of HF's format)."""
     from transformers import Qwen3MoeForCausalLM
 
     from tests.launch import run_dist
@@ -88,7 +88,9 @@ def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
            "--training.local_batch_size", "2"]
     ep = ["--parallelism.expert_parallel_degree", "2"]
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
-    for name, ranks, layout in (("ep", 2, ep), ("ep_fsdp", 4, ep), ("fsdp", 2, []), ("pp_ep", 4, [*pp, *ep])):
+    rows = ["--parallelism.expert_fsdp_shard", "rows"]  # every expert split by rows over FSDP
+    for name, ranks, layout in (("ep", 2, ep), ("ep_fsdp", 4, ep), ("fsdp", 2, []), ("pp_ep", 4, [*pp, *ep]),
+                                ("ep_fsdp_rows", 4, [*ep, *rows])):
         run_dist(ranks, tmp_path / name, *run, *layout)
         exported = Qwen3MoeForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
         for key, value in theirs.state_dict().items():
@@ -96,10 +98,13 @@ def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
 
 
 def test_fsdp2_equals_one_process(tmp_path):
+    """Experts sharded whole (4 a rank) and by rows (half of every expert's rows a rank)."""
     moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
     reference = run_grads([*moe, "--training.local_batch_size", "8"], 4)
-    (got,) = run_cases(2, tmp_path, [[*moe, "--training.local_batch_size", "4"]], 4)
-    assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    cases = [[*moe, "--training.local_batch_size", "4"],
+             [*moe, "--training.local_batch_size", "4", "--parallelism.expert_fsdp_shard", "rows"]]
+    for got in run_cases(2, tmp_path, cases, 4):
+        assert_matches(got, reference, 1e-5, what=("grads", "params"))
 
 
 def test_load_balancing_evens_the_expert_load():

@@ -138,20 +138,26 @@ def test_ac_lowers_peak_activation_memory():
 # ---------------------------------------------------------------- torch.compile
 
 def test_compile_matches_eager(caplog):
-    """One compiled block graph (both blocks share it) and the compiled loss; 3 steps."""
+    """One compiled block graph (both blocks share it) and the compiled loss, each chunk of the chunked loss
+    (training.loss_chunks) running the same loss graph; 3 steps."""
+    from torch._dynamo.utils import counters
+
+    from tessera.models.common.chunked_loss import summed_cross_entropy
     from tessera.train import train
-    from tessera.trainer import loss_fn
 
     runs = {}
     for name, argv in (("eager", []), ("compiled", ["--compile.enable"])):
         with tempfile.TemporaryDirectory() as dump, caplog.at_level(logging.INFO, logger="tessera"):
             tr = _trainer([*BATCH, *argv], STEPS, dump)
+            counters.clear()
             train(tr)
             tr.metrics.close()
         runs[name] = tr
     eager, compiled = runs["eager"], runs["compiled"]
     assert all(b._compiled_call_impl is not None for b in compiled.model.layers.values())
-    assert compiled.loss_fn is not loss_fn and eager.loss_fn is loss_fn
+    assert compiled.model.chunk_loss is not summed_cross_entropy and eager.model.chunk_loss is summed_cross_entropy
+    assert compiled.model.loss_chunks == 8 and not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # a block's, a chunk's loss
     assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
     for a, b in zip(compiled.history, eager.history, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])

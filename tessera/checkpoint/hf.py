@@ -9,6 +9,7 @@ process without a process group.
 import json
 import logging
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
 
 from tessera import models
 from tessera.checkpoint import mxfp4, plain
@@ -67,6 +69,7 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     # Plain tensors: safetensors knows no training wrapper (float8, MX).
     is_model = isinstance(model_state, nn.Module)
     model_state = plain.model_state(model_state) if is_model else plain.plain_state(model_state)
+    model_state = {**model_state, **by_experts(model_state)}
     family = family or models.family_of(args).name
     hf = models.family(family).hf
     # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
@@ -200,7 +203,9 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
                           f"model {list(t.shape)}")
     # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
-    targets = fam.hf.to_hf(_without(plain.model_state(model), fit.fresh))
+    state = _without(plain.model_state(model), fit.fresh)
+    regrouped = by_experts(state)  # adapters read and write whole experts: filled here, then copied back
+    targets = fam.hf.to_hf({**state, **regrouped})
     reads = {n: t for n, t in targets.items() if n not in quantized}
     for name in quantized & targets.keys():
         reads.update(mxfp4.parts(targets[name], saved, name))
@@ -212,7 +217,26 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         mxfp4.unpack_into(targets[name], reads[name + mxfp4.BLOCKS], reads[name + mxfp4.SCALES])
     # Not strict: the folder was checked to hold every tensor of the model above; what the adapter leaves out
     # is state HF's format has no place for (an expert selection bias), kept as it is.
-    set_model_state_dict(model, fam.hf.from_hf(targets), options=StateDictOptions(strict=False))
+    loaded = fam.hf.from_hf(targets)
+    for name, value in regrouped.items():  # filled in place (left out of from_hf's) or stacked anew
+        loaded[name] = loaded.get(name, value).redistribute(state[name].device_mesh, state[name].placements)
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+
+
+_EXPERTS = re.compile(r"\.experts\.w[123](_bias)?$")
+
+
+def by_experts(state: dict) -> dict:
+    """The stacked routed experts of `state` that FSDP split along another dimension than the experts'
+    (parallelism.expert_fsdp_shard), redistributed to be split over experts only, as the adapters read and
+    write them (a rank's whole experts)."""
+    out = {}
+    for name, value in state.items():
+        if _EXPERTS.search(name) and isinstance(value, DTensor) and any(
+                isinstance(p, Shard) and p.dim != 0 for p in value.placements):
+            out[name] = value.redistribute(value.device_mesh, [Shard(0) if isinstance(p, Shard) and p.dim != 0 else p
+                                                               for p in value.placements])
+    return out
 
 
 _SCALE = ".weight_scale_inv"

@@ -71,6 +71,10 @@ class Optimizer:
     muon_update_scale: str = opt("match_rms_adamw", "Muon: lr factor per matrix [rows, cols]: match_rms_adamw = "
                                  "0.2 sqrt(max(rows, cols)), the update RMS of AdamW (its lr carries over); original "
                                  "= sqrt(max(1, rows/cols)); none = 1", choices=("match_rms_adamw", "original", "none"))
+    state_dtype: str = opt("float32", "AdamW/Adam (not Muon): dtype of the two moments between steps: bfloat16 "
+                           "halves the optimizer state (parameters, gradients and the update stay float32; each "
+                           "parameter's update widens its moments for the step, one parameter at a time)",
+                           choices=("float32", "bfloat16"))
 
 
 @dataclass
@@ -115,6 +119,10 @@ class Training:
                                      choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = opt(False, "keep sharded params, grads and optimizer state in CPU memory (FSDP2)")
+    loss_chunks: int = opt(8, "the output head and the token cross-entropy run over this many slices of each "
+                           "sequence, one at a time, so the whole [tokens, vocab] logits never exist (backward "
+                           "recomputes a slice's logits: one more head matmul); 1 = the whole logits at once; "
+                           "families with a loss of their own (Flux) ignore it", min=1)
     nonfinite_policy: str = opt("stop", "a step whose loss or grad norm is not finite: stop (the run ends naming it; "
                                 "no checkpoint is saved after it) or skip (no update: counted, logged, and the run "
                                 "goes on; costs a host sync per step)", choices=("stop", "skip"))
@@ -146,11 +154,23 @@ class Parallelism:
                                                         "layers_per_stage)")
     pipeline_parallel_first_stage_less_layers: int = opt(1, "layers the first stage gives up for the embedding", min=0)
     pipeline_parallel_last_stage_less_layers: int = opt(1, "layers the last stage gives up for norm and output", min=0)
+    pipeline_parallel_grad_reduce: str = opt("step", "under PP + FSDP, when gradients are reduce-scattered: step = "
+                                             "once, after the step's last micro-batch (a stage holds its whole "
+                                             "gradients and gathered parameters until then); microbatch = after "
+                                             "each micro-batch's backward (only sharded gradients are held; an "
+                                             "all-gather and a reduce-scatter per micro-batch); zero-bubble "
+                                             "schedules' split backwards reduce at the step's end",
+                                             choices=("step", "microbatch"))
     context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
     expert_parallel_degree: int = opt(1, "MoE models: ranks that split each layer's routed experts, taken from the "
                                       "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
                                       "of CP x TP dividing that, and the experts); tokens travel to their experts' "
                                       "rank and back (all-to-all)", min=1)
+    expert_fsdp_shard: str = opt("auto", "how FSDP splits routed experts' weights [experts, rows, columns]: "
+                                 "experts = whole experts per rank (padded with empty experts when a rank's EP share "
+                                 "does not divide by its FSDP group); rows = every expert along its rows (w1, w3: "
+                                 "hidden; w2: dim); auto = rows where whole experts would be padded and the rows "
+                                 "divide evenly", choices=("auto", "experts", "rows"))
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default = yes except the "
                                           "root",
                                           choices=("default", "always", "never"))

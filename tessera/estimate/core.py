@@ -267,7 +267,7 @@ def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, t
                 piece = pp.cut(part, positions, (), (), (), (), spec.blocks)
                 spec.parallelize(piece, world, cfg)
                 trace.materialize(piece, world, fake)
-                stage = PipelineStage(piece, i, n_stages, world.device, group=pp_mesh.get_group())
+                stage = pp.make_stage(piece, i, n_stages, world.device, pp_mesh, cfg)
                 return trace.trace_stage(cfg, world, stage, spec, args, grad_accum, fake)
 
             traced[key] = sampled(_kinds(part, spec.blocks), run, exact)

@@ -20,10 +20,19 @@ from tessera import experts
 from tessera.distributed import World, mesh_world
 from tessera.memory import LiveBytes
 from tessera.models.common import attention
+from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
 from tessera.train import forward_backward
-from tessera.trainer import build_side_losses, loss_fn, micro_batches, token_inputs, training_loss, uses_loss_parallel
+from tessera.trainer import (
+    build_side_losses,
+    labels_in_forward,
+    micro_batches,
+    set_token_loss,
+    step_loss,
+    token_inputs,
+    uses_loss_parallel,
+)
 
 _SMALL = 1 << 16  # integer tensors up to this many elements carry values under EvenRouting
 _COLLECTIVES = ("c10d", "_c10d_functional", "fsdp")
@@ -105,7 +114,8 @@ class EvenRouting(TorchDispatchMode):
             if self.get(t) is None:
                 flat = torch.zeros(st.nbytes() // t.element_size(), dtype=t.dtype)
                 self.store[key] = (weakref.ref(st, lambda _, k=key: self.store.pop(k, None)), flat)
-            self.get(t).copy_(value.reshape(t.shape))
+            # A clone: a view's value (labels cut in chunks) may be a view of the very elements it is written to.
+            self.get(t).copy_(value.reshape(t.shape).clone())
 
     def forget(self, t: torch.Tensor) -> None:
         self.store.pop(id(t.untyped_storage()), None)
@@ -214,10 +224,11 @@ class StageTrace:
     transient_phases: tuple[int, ...] = ()  # first block and after); each is its phases' largest
 
 
-def optimizer_bytes(module: nn.Module) -> int:
-    """AdamW/Adam keeps exp_avg and exp_avg_sq like each parameter (its local shard) and a step count."""
+def optimizer_bytes(module: nn.Module, state_dtype: str = "float32") -> int:
+    """AdamW/Adam keeps exp_avg and exp_avg_sq like each parameter (its local shard), or in bf16
+    (optimizer.state_dtype), and a step count."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
-    return sum(2 * p.numel() * p.element_size() + 4 for p in local)
+    return sum(state_bytes(p.numel() * p.element_size(), p.numel(), state_dtype) for p in local)
 
 
 def materialize(module: nn.Module, world: World, fake: FakeTensorMode) -> None:
@@ -236,11 +247,12 @@ def _batch(cfg, world: World, batch: int, vocab: int, bos: int | None) -> tuple[
 def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int, bos: int | None,
                 fake: FakeTensorMode) -> StageTrace:
     """The whole model (no pipelining): the trainer's own forward_backward for the step's micro-batches."""
-    loss = training_loss(cfg, world, spec.loss or loss_fn)
+    loss = step_loss(cfg, world, spec)
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     tr = SimpleNamespace(pipeline=None, loss_parallel=uses_loss_parallel(cfg, world), model=model, loss_fn=loss,
                          autocast=torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext(),
-                         extra_loss=spec.extra_loss, document_bos=bos, grad_accum=grad_accum)
+                         extra_loss=spec.extra_loss, document_bos=bos, grad_accum=grad_accum,
+                         labels_in_forward=labels_in_forward(cfg, spec))
     _configure(cfg, world, model, grad_accum)
     with counting(fake, model) as meter:
         meter.track(list(model.parameters()) + list(model.buffers()))
@@ -257,7 +269,8 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
             phases.append(meter.peak)
         for hook in hooks:
             hook.remove()
-        return StageTrace(params=base, optimizer=optimizer_bytes(model), grads=grads, act=forward_end[0] - base,
+        return StageTrace(params=base, optimizer=optimizer_bytes(model, cfg.optimizer.state_dtype), grads=grads,
+                          act=forward_end[0] - base,
                           peak=max(phases), transient=0, first=0, end=0, comm=meter.comm_peak, io=0,
                           phases=tuple(phases))
 
@@ -294,6 +307,7 @@ def _configure(cfg, world: World, model: nn.Module, grad_accum: int) -> None:
     if experts.moe_layers(model):
         experts.configure(experts.moe_layers(model), cfg.moe, micro_batches(cfg, world, grad_accum))
     build_side_losses(cfg, world, model, grad_accum)
+    set_token_loss(cfg, world, model)
 
 
 def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: FakeTensorMode) -> StageTrace:
@@ -304,7 +318,8 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
     part, is_first, is_last = stage.submod, stage.is_first, stage.is_last
     _configure(cfg, world, part, grad_accum)
     p, t = cfg.parallelism, cfg.training
-    loss = training_loss(cfg, world, spec.loss or loss_fn)
+    loss = step_loss(cfg, world, spec)
+    own_loss = is_last and labels_in_forward(cfg, spec)
     share = micro_batches(cfg, world, grad_accum)
     mb, seq = p.pipeline_parallel_microbatch_size, t.seq_len // world.dims.cp
     # Between stages: the residual stream, sequence-parallel under TP, in FSDP's compute dtype (else fp32).
@@ -316,7 +331,7 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         grad = None if is_last else torch.empty_like(boundary)
 
     def forward(x):
-        out = part(x)
+        out = part(x, labels=labels) if own_loss else part(x)
         return out, loss(out, labels) / share if is_last else None, x
 
     def backward(run) -> None:
@@ -355,7 +370,8 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
         stage.perform_reduce_grad(1)
         for hook in hooks:
             hook.remove()
-        return StageTrace(params=base, optimizer=optimizer_bytes(part), grads=with_grads - one, act=two - one,
+        return StageTrace(params=base, optimizer=optimizer_bytes(part, cfg.optimizer.state_dtype),
+                          grads=with_grads - one, act=two - one,
                           peak=0, transient=max(transient), first=max(first), end=meter.peak - after,
                           comm=meter.comm_peak, io=boundary.numel() * boundary.element_size(),
                           first_phases=first, transient_phases=transient)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from tessera.dtypes import DTYPES
 
@@ -20,7 +21,7 @@ def mixed_precision(training, device: torch.device) -> tuple[torch.dtype, torch.
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, blocks: list[nn.Module], *, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: str = "default", cpu_offload: bool = False,
                inner: tuple[tuple[nn.Module, DeviceMesh], ...] = (), inner_divide: float = 1.0,
-               idle: tuple[nn.Module, ...] = ()) -> None:
+               idle: tuple[nn.Module, ...] = (), by_rows: frozenset[nn.Parameter] = frozenset()) -> None:
     """`mesh` is 1D (FSDP) or 2D (replicate, shard) for HSDP; None: only the `inner` groups are sharded.
 
     `inner`: submodules sharded first, over meshes of their own (a MoE layer's experts and router), whose
@@ -30,6 +31,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, blocks: list[nn.Module
     `idle`: modules kept (checkpointed, exported) but never run, such as an untrained MTP depth. Their groups
     get no casting policy: between micro-batches torch 2.13's post-backward reads the gathered copy of every
     group that keeps its gradients in another dtype, and a group that never ran was never gathered.
+
+    `by_rows`: parameters sharded along their dim 1 instead of 0 (stacked experts [E, rows, columns] whose
+    experts do not divide by the group: split by rows, no rank holds padding).
 
     The root group (embeddings, final norm, output) is not resharded by default: backward needs it
     first, so keeping it gathered saves one all-gather per step.
@@ -41,7 +45,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, blocks: list[nn.Module
 
     def shard(module: nn.Module, on: DeviceMesh, reshard: bool) -> None:
         fully_shard(module, mesh=on, mp_policy=MixedPrecisionPolicy() if module in unused else cast,
-                    offload_policy=offload, reshard_after_forward=reshard)
+                    offload_policy=offload, reshard_after_forward=reshard,
+                    shard_placement_fn=(lambda p: Shard(1) if p in by_rows else None) if by_rows else None)
 
     for module, inner_mesh in inner:
         shard(module, inner_mesh, reshard_after_forward != "never")

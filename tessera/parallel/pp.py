@@ -3,11 +3,15 @@ torch.distributed.pipelining schedule. Parameter names stay those of the whole m
 move freely between pipeline layouts."""
 
 import copy
+import logging
+import re
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineScheduleRuntime, get_schedule_class
 
 from tessera.parallel import pp_layout
@@ -57,13 +61,59 @@ def split(model: nn.Module, pp_mesh: DeviceMesh, cfg, first_modules: tuple[str, 
     return ids, parts, n_stages
 
 
+class MicrobatchReducingStage(PipelineStage):
+    """A stage whose FSDP groups reduce-scatter each micro-batch's gradients into the sharded ones and free their
+    gathered parameters after its backward, as without pipelining (torch's stage keeps both to the step's end,
+    the unsharded gradients accumulating: a whole stage's gradients and parameters held at once). Only for
+    schedules whose backwards are whole (see splits_backward)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(True)  # the final callback waits for this micro-batch's reduction
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), \
+            None
+
+
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def splits_backward(p) -> bool:
+    """Whether the schedule (of config section `p`) splits backwards into the inputs' and, later, the weights'
+    (zero bubble): a micro-batch's weight gradients may then come after another's, so they are reduced once, at
+    the step's end. A CSV schedule does when it holds I or W actions (e.g. 0I3, 1W0)."""
+    if p.pipeline_parallel_schedule_csv:
+        with open(p.pipeline_parallel_schedule_csv) as fh:
+            return re.search(r"\d[IW]\d", fh.read()) is not None
+    return p.pipeline_parallel_schedule in ZERO_BUBBLE
+
+
+def reduces_each_microbatch(cfg) -> bool:
+    """parallelism.pipeline_parallel_grad_reduce = microbatch, for a schedule whose backwards are whole."""
+    return cfg.parallelism.pipeline_parallel_grad_reduce == "microbatch" and not splits_backward(cfg.parallelism)
+
+
+def make_stage(part: nn.Module, stage_id: int, n_stages: int, device: torch.device, pp_mesh: DeviceMesh,
+               cfg) -> PipelineStage:
+    """Torch's stage, or the one that reduces each micro-batch's gradients (reduces_each_microbatch)."""
+    cls = MicrobatchReducingStage if reduces_each_microbatch(cfg) else PipelineStage
+    return cls(part, stage_id, n_stages, device, group=pp_mesh.get_group())
+
+
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, cfg, loss_fn):
     """`loss_fn` must already divide by the number of micro-batches: the schedule does not scale gradients,
     because its scaling would also rescale gradients accumulated by earlier steps of gradient accumulation."""
     p = cfg.parallelism
-    stages = [PipelineStage(part, i, n_stages, device, group=pp_mesh.get_group())
-              for part, i in zip(parts, stage_ids, strict=True)]
+    if p.pipeline_parallel_grad_reduce == "microbatch" and splits_backward(p) and pp_mesh.get_rank() == 0:
+        name = p.pipeline_parallel_schedule_csv or p.pipeline_parallel_schedule
+        logging.getLogger("tessera").warning(
+            f"parallelism.pipeline_parallel_grad_reduce: {name} splits backwards (zero bubble): gradients are "
+            f"reduced at the step's end; use a schedule without split backwards (1F1B, Interleaved1F1B...) to "
+            f"reduce them after each micro-batch")
+    stages = [make_stage(part, i, n_stages, device, pp_mesh, cfg) for part, i in zip(parts, stage_ids, strict=True)]
     n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     if p.pipeline_parallel_schedule_csv:
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)

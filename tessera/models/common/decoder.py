@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.common.attention import Attention, FeedForward, KVCache
+from tessera.models.common.chunked_loss import chunked_cross_entropy, summed_cross_entropy
 from tessera.models.common.moe import MoE
 from tessera.models.common.rope import attention_factor, inv_freq, rope_table
 
@@ -43,6 +44,10 @@ class TransformerBlock(nn.Module):
 
 class Decoder(nn.Module):
     block = TransformerBlock  # a family's subclass may swap it
+    # Given labels, forward returns the mean token loss, the head and loss run over this many slices of the
+    # sequence (tessera/models/common/chunked_loss.py); `chunk_loss` sums one slice's (the trainer sets both).
+    loss_chunks = 1
+    chunk_loss = staticmethod(summed_cross_entropy)
 
     def __init__(self, args):
         super().__init__()
@@ -70,15 +75,23 @@ class Decoder(nn.Module):
         self.rope = rope_table(positions.to(device), freqs, attention_factor(a.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
-                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding;
         `documents` [batch, seq]: each token's document number, which attention does not cross; `positions`
         [seq] or [batch, seq]: each token's position (default 0, 1, ...), e.g. its place in its document.
+        `labels` [batch, seq]: the mean cross-entropy against them instead, its logits made a chunk at a time.
 
         A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
         """
         h = self.hidden(tokens, cache, documents, positions)
-        return h if self.norm is None else self.head(self.norm(h))
+        if self.norm is None:
+            return h
+        return self.head(self.norm(h)) if labels is None else self.token_loss(self.norm(h), labels)
+
+    def token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the logits of normed hidden states `h` against `labels`, chunk by chunk."""
+        return chunked_cross_entropy(self.head, h, labels, self.loss_chunks, self.chunk_loss)
 
     def hidden(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,14 +54,29 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
     inner = [(m.experts, experts_mesh) for m in moe if experts_mesh is not None]
     inner += [(part, router_mesh) for m in moe for part in (m.router, m.shared) if part and router_mesh is not None]
     if dp_mesh is not None or inner:
+        shard_mesh = experts_mesh if experts_mesh is not None else dp_mesh
+        by_rows = experts_by_rows([m.experts for m in moe], shard_mesh.size(-1) if shard_mesh is not None else 1,
+                                  world.dims.ep, p.expert_fsdp_shard)
         param_dtype, reduce_dtype = mixed_precision(cfg.training, world.device)
         apply_fsdp(model, dp_mesh, [*model.layers.values(), *more_units], param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
                    cpu_offload=cfg.training.enable_cpu_offload, inner=tuple(inner),
-                   inner_divide=world.dims.dp * world.dims.cp, idle=more_units if idle else ())
+                   inner_divide=world.dims.dp * world.dims.cp, idle=more_units if idle else (), by_rows=by_rows)
     return model
 
 
 def decoder_plan(block_tp_plan: dict, high_precision: tuple[str, ...]):
     """A family's `parallelize` (model, world, cfg) -> model: the shared decoder's plan with its blocks' TP plan."""
     return lambda model, world, cfg: parallelize_decoder(model, world, cfg, block_tp_plan, high_precision)
+
+
+def experts_by_rows(experts: list[nn.Module], shards: int, ep: int, mode: str) -> frozenset:
+    """The stacked expert parameters [E, rows, ...] FSDP splits along their rows over `shards` ranks
+    (parallelism.expert_fsdp_shard): all of them ("rows"), none ("experts"), or ("auto") those whose E / ep local
+    experts do not divide by `shards` (whole experts would be padded) while their rows do."""
+    params = [p for module in experts for p in module.parameters()]
+    if mode == "experts" or shards == 1:
+        return frozenset()
+    if mode == "rows":
+        return frozenset(params)
+    return frozenset(p for p in params if (p.shape[0] // ep) % shards and p.shape[1] % shards == 0)

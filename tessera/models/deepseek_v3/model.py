@@ -104,26 +104,37 @@ class DeepSeekV3(Decoder):
         self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
-                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
-            return super().forward(tokens, cache, documents, positions)
+            return super().forward(tokens, cache, documents, positions, labels)
         h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
         # Depth k at position i predicts token i+k+1: its inputs hold the last target but one, so each depth's
         # last position (whose target is the window's next token) is left out of its loss.
-        losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), tokens[:, k + 1:].flatten())
-                  for k, out in enumerate(self.mtp_logits(h, tokens, documents, positions), 1)]
-        return self.mtp_loss.attach(self.head(h), torch.stack(losses).mean())
+        depths = enumerate(self.mtp_hidden(h, tokens, documents, positions), 1)
+        if labels is None:
+            losses = [F.cross_entropy(self.head(out[:, :-1]).flatten(0, 1).float(), tokens[:, k + 1:].flatten())
+                      for k, out in depths]
+        else:
+            losses = [self.token_loss(out[:, :-1], tokens[:, k + 1:]) for k, out in depths]
+        main = self.head(h) if labels is None else self.token_loss(h, labels)
+        return self.mtp_loss.attach(main, torch.stack(losses).mean())
 
     def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...), from the trunk's normed last hidden states
-        and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its
+        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...); see mtp_hidden."""
+        return [self.head(out) for out in self.mtp_hidden(h, tokens, documents, positions)]
+
+    def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each depth's normed output [batch, seq - k, dim] (k = 1, 2...), from the trunk's normed last hidden
+        states and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its
         slot i holds token i + k: its document and position are that token's."""
         out, embeddings = [], self.tok_embeddings(tokens)
         for k, depth in enumerate(self.mtp.values(), 1):
             rope = self.rope if positions is None else self.rope[positions[..., k:]]
             h = depth(h[:, :-1], embeddings[:, k:], rope, None if documents is None else documents[:, k:])
-            out.append(self.head(h))
+            out.append(h)
         return out
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:
