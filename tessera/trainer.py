@@ -1,6 +1,7 @@
 """The Trainer's parts and the named builders that make them, in order."""
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -131,8 +132,10 @@ def model_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def labels_in_forward(cfg: JobConfig, spec) -> bool:
     """Whether the model computes its token loss itself, its head a chunk of tokens at a time (training.loss_chunks
-    > 1): the decoder families, whose loss is the token cross-entropy."""
-    return spec.loss is None and issubclass(spec.model, Decoder) and cfg.training.loss_chunks > 1
+    > 1): the decoder families, whose loss is the token cross-entropy, unless a family's own forward takes no
+    labels (a subclass that needs the whole logits, e.g. for a side loss on them)."""
+    takes_labels = "labels" in inspect.signature(spec.model.forward).parameters
+    return spec.loss is None and issubclass(spec.model, Decoder) and takes_labels and cfg.training.loss_chunks > 1
 
 
 def step_loss(cfg: JobConfig, world: World, spec) -> Callable:
