@@ -272,10 +272,10 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
-    data = spec.data or (lambda c, w, _, split, bad: build_dataloader(
-        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad))
-    loader = data(cfg, world, args, "train", bad)
-    val_loader = data(cfg, world, args, "validation", bad) if cfg.validation.enable else None
+    data = spec.data or (lambda c, w, _, splits, bad: {split: build_dataloader(
+        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad) for split in splits})
+    loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
+    loader, val_loader = loaders["train"], loaders.get("validation")
     counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "

@@ -72,8 +72,9 @@ class ModelSpec:
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
     generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a
     # checkpoint of this family to it (Flux draws images)
-    data: Callable | None = None  # (cfg, world, args, split, bad) -> this rank's loader (next_batch, rewind,
-    # state_dict, load_state_dict) for a family that brings its own data (Flux: image-caption pairs); None: tokens
+    data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch,
+    # rewind, state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen
+    # encoders), for a family that brings its own data (Flux: image-caption pairs); None: tokens
 
 
 @dataclass(frozen=True)
