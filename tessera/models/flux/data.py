@@ -114,12 +114,12 @@ def build_loaders(cfg, world, args, splits: tuple[str, ...], bad=None) -> dict[s
             for split in splits}
 
 
-def flux_batch(tr, loader) -> tuple[dict, torch.Tensor]:
+def flux_batch(run, loader) -> tuple[dict, torch.Tensor]:
     """The loader's batch; under context parallelism this rank's chunks of the text and of the image tokens
     (and of their ids and targets): attention is bidirectional, so any split works, and CP's is reused."""
     inputs, target = loader.next_batch()
-    if tr.world.dims.cp > 1:
-        mesh = tr.world.mesh["cp"]
+    if run.world.dims.cp > 1:  # run: the run's tessera.models.contract.BatchView
+        mesh = run.world.mesh["cp"]
         inputs = shard_inputs(inputs, mesh.get_local_rank(), mesh.size())
         target = cp.shard_sequence(target, mesh.get_local_rank(), mesh.size())
     return inputs, target
