@@ -37,7 +37,7 @@ def compare(a, variants: dict[str, list[str]], seq_len: int, batch: int, rounds:
 
 def activation_bytes(tr) -> int:
     """Peak bytes one forward + backward adds: the allocator's on GPU, live op outputs on CPU (deterministic)."""
-    inputs, labels = tr.batch_fn(tr, tr.loader)  # the trainer's own next micro-batch
+    inputs, labels = tr.batch_fn(tr.loader)  # the trainer's own next micro-batch
     if tr.world.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

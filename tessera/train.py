@@ -93,7 +93,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
     loss_total, data_s = torch.zeros((), device=tr.world.device), 0.0
     for _ in range(tr.grad_accum):
         start = time.perf_counter()
-        inputs, labels = tr.batch_fn(tr, tr.loader)
+        inputs, labels = tr.batch_fn(tr.loader)
         data_s += time.perf_counter() - start
         loss_total += forward_backward(tr, inputs, labels)
     loss_total = pp_share(loss_total, tr)
@@ -146,7 +146,7 @@ def validate_loss(tr: Trainer) -> float:
     tr.val_loader.rewind()
     total = torch.zeros((), device=tr.world.device)
     for _ in range(tr.cfg.validation.steps):
-        inputs, labels = tr.batch_fn(tr, tr.val_loader)
+        inputs, labels = tr.batch_fn(tr.val_loader)
         total += forward_backward(tr, inputs, labels, train=False)
     tr.model.train()
     return dp_mean(pp_share(total, tr) / tr.cfg.validation.steps, tr.world)

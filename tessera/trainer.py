@@ -1,6 +1,7 @@
 """The Trainer's parts and the named builders that make them, in order."""
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -23,7 +24,7 @@ from tessera.models.common.chunked_loss import summed_cross_entropy
 from tessera.models.common.decoder import Decoder
 from tessera.models.common.rope import document_positions
 from tessera.models.common.side_loss import SideLoss
-from tessera.models.contract import RunView
+from tessera.models.contract import BatchView, RunView
 from tessera.optim import build_lr_scheduler, build_optimizer, schedule_note
 from tessera.parallel import cp, pp
 from tessera.parallel.compile import compile_loss
@@ -66,10 +67,9 @@ class Trainer:
     loss_parallel: bool
     loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss";
     # model_loss when the model computes it (labels_in_forward)
-    batch_fn: Callable  # (trainer, loader) -> this rank's (model inputs by keyword, labels) on its device: the
-    # family's, or token_batch
+    batch_fn: Callable  # (loader) -> this rank's (model inputs by keyword, labels) on its device: the family's
+    # hook, or token_batch, given the run's BatchView
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
-    document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
@@ -96,11 +96,12 @@ def run_view(tr: Trainer) -> RunView:
                    image=tr.metrics.image)
 
 
-def token_batch(tr, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def token_batch(run: BatchView, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """This rank's model inputs and labels on its device (see token_inputs)."""
     tokens, labels = loader.next_batch()
-    return token_inputs(tokens, labels, tr.document_bos, tr.world.mesh["cp"] if tr.world.dims.cp > 1 else None,
-                        tr.world.device)
+    world = run.world
+    return token_inputs(tokens, labels, run.document_bos, world.mesh["cp"] if world.dims.cp > 1 else None,
+                        world.device)
 
 
 def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp_mesh, device: torch.device):
@@ -275,10 +276,10 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
-    data = spec.data or (lambda c, w, _, split, bad: build_dataloader(
-        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad))
-    loader = data(cfg, world, args, "train", bad)
-    val_loader = data(cfg, world, args, "validation", bad) if cfg.validation.enable else None
+    data = spec.data or (lambda c, w, _, splits, bad: {split: build_dataloader(
+        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad) for split in splits})
+    loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
+    loader, val_loader = loaders["train"], loaders.get("validation")
     counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
@@ -292,14 +293,15 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
                   bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    document_bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
     tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader, metrics=build_metrics(cfg, world),
                  checkpointer=Checkpointer(cfg, world.rank, args, saved, damaged), tokenizer=tokenizer,
                  grad_accum=grad_accum,
                  flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
-                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, batch_fn=spec.batch or token_batch,
+                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss,
+                 batch_fn=functools.partial(spec.batch or token_batch, BatchView(world, document_bos)),
                  extra_loss=spec.extra_loss,
-                 document_bos=tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None,
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
                  balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),
                  side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,

@@ -280,6 +280,27 @@ def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skippe
         f"skipping checkpoint step 0 ({seed}/checkpoint/step-0/__0_0.distcp changed after it was written")
 
 
+def test_each_run_says_each_skip_once(tmp_path, skipped):
+    """What a run has warned is the run's, not the process's: a run's repeated look-ups (a content check that
+    fails sends it back to the folders) say each skip once, and the next run in the same process says them again."""
+    from tessera.checkpoint.folder import write_marker
+    from tessera.checkpoint.manager import find_resume
+
+    root = tmp_path / "checkpoint"
+    for step in (2, 4, 5):
+        (root / f"step-{step}").mkdir(parents=True)
+        (root / f"step-{step}/shard").write_bytes(bytes(range(256)))
+        if step != 5:  # step 5's save was interrupted before its marker
+            write_marker(str(root / f"step-{step}"), step, "full")
+    _flip_middle(root / "step-4/shard", 16)  # size unchanged: only the content check finds it
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"])
+    for run in range(2):
+        skipped.clear()
+        assert find_resume(cfg)[0] == 2
+        assert [line.split(" (")[0] for line in skipped] == ["skipping checkpoint step 5",
+                                                             "skipping checkpoint step 4"], (run, skipped)
+
+
 def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
     for mode in ("disabled", "async"):
         run_train(["--job.dump_folder", str(tmp_path / mode), *CKPT, "--checkpoint.async_mode", mode,

@@ -178,6 +178,25 @@ def test_rectified_flow_batch_and_shapes_data():
     torch.testing.assert_close(unpatchify(x0, 16, 16)[0], loader.autoencoder.encode(images)[0])
 
 
+def test_a_runs_loaders_share_its_encoders_and_the_next_run_builds_its_own():
+    """The frozen encoders are the run's: built once by the family's data hook for all its loaders (the training
+    and validation ones use the same modules), and nothing kept in the process hands them to the next run."""
+    from types import SimpleNamespace
+
+    from tessera.models.flux.data import build_loaders
+    from tessera.preflight import parse_args
+
+    cfg = parse_args(MODEL)
+    world = SimpleNamespace(rank=0, dp_rank=0, dims=SimpleNamespace(dp=1), device=torch.device("cpu"),
+                            dp_mesh=lambda: None)
+    runs = [build_loaders(cfg, world, FLUX.flavors["flux-debug"], ("train", "validation")) for _ in range(2)]
+    for loaders in runs:
+        assert [loader.split for loader in loaders.values()] == ["train", "validation"]
+        assert loaders["train"].text is loaders["validation"].text
+        assert loaders["train"].autoencoder is loaders["validation"].autoencoder
+    assert runs[0]["train"].text is not runs[1]["train"].text
+
+
 def test_a_two_rank_run_resumes_on_one_rank_with_the_same_samples(tmp_path):
     """FSDP 2 with checkpoints every 3 steps, resumed from step 3 on one rank: the same global samples each step
     (none twice, none skipped), the losses and final parameters within 1e-5 (another reduction order)."""

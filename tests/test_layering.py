@@ -123,3 +123,60 @@ def test_the_reader_sees_imports():
     assert "tessera.models.contract" in GRAPH["tessera.models.flux"]
     assert "tessera.config.sections" in GRAPH["tessera.preflight"]
     assert "tessera.models.flux.data" in GRAPH["tessera.models.flux.cache"]
+
+
+# Module-level containers the module itself fills or changes: process-wide state, which a second run in the same
+# process (tests, notebooks) inherits. Run state belongs to the run's objects; these are kept, each for its reason.
+# Memoized functions (functools.cache / lru_cache) are not listed: the line above each says why it is safe
+# ("Memoized safely: ...": pure, keyed by all it reads).
+PROCESS_STATE = {
+    "tessera.distributed._timeout": "the collective timeout in force (set per run), for the message when one ends",
+    "tessera.ft.check._held": "the fault-tolerance lock descriptors, held for the life of the process",
+    "tessera.models.common.attention._compiled_flex": "the compiled FlexAttention kernel, pure",
+    "tessera.models.common.attention._documents_mask": "the last documents' mask, keyed by the tensor it holds",
+    "tessera.models.flux.pairs._HUB": "a Hub dataset by name, loaded once",
+    "tessera.parallel.cp._gathered": "the last forward's gathered document numbers, keyed by the tensor it holds",
+}
+MUTATORS = {"append", "add", "clear", "update", "setdefault", "pop", "popitem", "extend", "insert", "remove",
+            "discard"}
+
+
+def module_state(tree: ast.Module) -> set[str]:
+    """Names bound at module level to a mutable container (a dict, list or set) that the module changes: by a
+    mutating method, or by assigning or deleting an item or slice."""
+    containers = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in
+            ("dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque"))
+        if mutable:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            containers |= {t.id for t in targets if isinstance(t, ast.Name)}
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS \
+                and isinstance(node.func.value, ast.Name):
+            changed.add(node.func.value.id)
+        for target in getattr(node, "targets", None) or ([node.target] if isinstance(node, ast.AugAssign) else []):
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                changed.add(target.value.id)
+    return containers & changed
+
+
+def memoized(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, the line above it) of each functools.cache / lru_cache decorator in `path`."""
+    lines = path.read_text().splitlines()
+    return [(i + 1, lines[i - 1]) for i, line in enumerate(lines)
+            if line.startswith(("@functools.cache", "@functools.lru_cache", "@cache", "@lru_cache"))]
+
+
+def test_no_new_process_wide_state():
+    """Run state (a run's encoders, what it warned) lives in the run's objects, not in module-level containers:
+    a new one fails here (hand it to the run instead, or list it above with why it is process-wide)."""
+    found = {f"{m}.{n}" for m, path in MODULES.items() for n in module_state(ast.parse(path.read_text()))}
+    assert found == set(PROCESS_STATE), (sorted(found - set(PROCESS_STATE)), sorted(set(PROCESS_STATE) - found))
+    memos = {f"{path.relative_to(ROOT)}:{n}": why for path in MODULES.values() for n, why in memoized(path)}
+    assert len(memos) >= 3 and not [m for m, why in memos.items() if "Memoized safely" not in why], memos
+    removed = "_BUILT: dict = {}\n_warned: set[str] = set()\ndef f(k):\n    _BUILT[k] = 1\n    _warned.add(k)\n"
+    assert module_state(ast.parse(removed)) == {"_BUILT", "_warned"}  # the reader finds the kinds removed

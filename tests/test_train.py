@@ -78,21 +78,23 @@ def test_a_familys_extra_loss_is_added_to_every_micro_batch(monkeypatch):
 
 
 def test_a_familys_loss_and_batch_hooks_replace_the_defaults(monkeypatch):
-    """What a family with other data or another objective (Flux) plugs in: its batch and its loss."""
+    """What a family with other data or another objective (Flux) plugs in: its batch and its loss. The batch hook
+    gets the run's loader and a typed view of the run (not the Trainer)."""
     import dataclasses
+    import tempfile
 
     import torch
 
     from tessera.models import family
-    from tessera.models.contract import Family
+    from tessera.models.contract import BatchView, Family
     from tessera.trainer import loss_fn, token_batch
-    from tests.dist_worker import run_grads
+    from tests.dist_worker import _trainer, run_grads, step_and_record
 
     calls = []
 
-    def batch(tr, loader):
-        calls.append(loader is tr.loader)
-        return token_batch(tr, loader)
+    def batch(run, loader):
+        calls.append((run, loader))
+        return token_batch(run, loader)
 
     spec = dataclasses.replace(family("llama3").spec(), loss=lambda logits, labels: 2 * loss_fn(logits, labels),
                                batch=batch)
@@ -100,8 +102,12 @@ def test_a_familys_loss_and_batch_hooks_replace_the_defaults(monkeypatch):
             "0", "--training.max_norm", "0"]
     plain = run_grads(argv, 1)
     monkeypatch.setattr(Family, "spec", lambda self: spec)
-    hooked = run_grads(argv, 1)
-    assert calls == [True, True]  # the trainer drew both micro-batches through the hook
+    with tempfile.TemporaryDirectory() as dump:
+        tr = _trainer(argv, 1, dump)
+        hooked = step_and_record(tr, 1)
+    # the trainer drew both micro-batches of its training loader through the hook
+    assert [loader is tr.loader for _, loader in calls] == [True, True]
+    assert all(type(run) is BatchView and run.world is tr.world for run, _ in calls)
     assert abs(hooked["losses"][0] - 2 * plain["losses"][0]) < 1e-5
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(hooked["grads"][name], 2 * grad, rtol=1e-5, atol=1e-7)

@@ -124,13 +124,11 @@ def write_marker(path: str, step: int, kind: str, digests: dict[str, str | None]
     os.replace(tmp, os.path.join(path, MARKER))  # atomic: the checkpoint exists from here on
 
 
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """A warning logged once per process, by rank 0 alone (each rank runs the pre-check; rank 0 then loads)."""
-    if message not in _warned and os.environ.get("RANK", "0") == "0":
-        _warned.add(message)
+def warn_once(message: str, warned: set[str]) -> None:
+    """A warning logged once per `warned` (what this run's look-up has already said: a look-up repeated within a
+    run says it once, the next run again), by rank 0 alone (each rank runs the pre-check; rank 0 then loads)."""
+    if message not in warned and os.environ.get("RANK", "0") == "0":
+        warned.add(message)
         log.warning(message)
 
 
@@ -138,7 +136,7 @@ def skip_message(step: int, problem) -> str:
     return f"skipping checkpoint step {step} ({problem}); falling back to an earlier one"
 
 
-def _usable(step: int, path: str, exact: bool, content: bool, report: bool) -> dict | None:
+def _usable(step: int, path: str, exact: bool, content: bool, report: bool, warned: set[str]) -> dict | None:
     """The marker of a complete, intact checkpoint; None (logged when `report`) or, when `exact`, ValueError
     otherwise."""
     marker = read_marker(path)
@@ -150,31 +148,33 @@ def _usable(step: int, path: str, exact: bool, content: bool, report: bool) -> d
         if exact:
             raise ValueError(f"checkpoint.load_step: step {step} at {path} is not usable: {e}") from None
         if report:
-            warn_once(skip_message(step, e))
+            warn_once(skip_message(step, e), warned)
         return None
     return marker
 
 
 def resume_point(root: str, load_step: int = -1, content: bool = True, report: bool = True,
-                 skip: Collection[int] = ()) -> tuple[int, str, dict] | None:
+                 skip: Collection[int] = (), warned: set[str] | None = None) -> tuple[int, str, dict] | None:
     """(step, path, marker) to start from: exactly `load_step` when >= 0, else the newest complete full
     checkpoint, else the newest complete weights-only one (a seed or a conversion). Raises ValueError for a
     `load_step` that is missing or unusable. `content`: check the files' digests too, not only their sizes
-    (this reads the whole checkpoint); `report`: log the checkpoints skipped; `skip`: steps known damaged."""
+    (this reads the whole checkpoint); `report`: log the checkpoints skipped; `skip`: steps known damaged;
+    `warned`: what the run's earlier look-ups logged (not said again)."""
+    warned = set() if warned is None else warned
     folders = [(step, path) for step, path in step_folders(root) if step not in skip]
     if load_step >= 0:
         path = dict(folders).get(load_step)
         if path is None:
             have = ", ".join(str(s) for s, _ in folders) or "none"
             raise ValueError(f"checkpoint.load_step: no checkpoint for step {load_step} under {root} (steps: {have})")
-        marker = _usable(load_step, path, exact=True, content=content, report=report)
+        marker = _usable(load_step, path, exact=True, content=content, report=report, warned=warned)
         if marker.get("kind") not in ("full", "model"):
             raise ValueError(f"checkpoint.load_step: step {load_step} at {path} is a '{marker.get('kind')}' export, "
                              f"not a checkpoint")
         return load_step, path, marker
     weights_only = None
     for step, path in folders:
-        marker = _usable(step, path, exact=False, content=content, report=report)
+        marker = _usable(step, path, exact=False, content=content, report=report, warned=warned)
         if marker is None:
             continue
         if marker.get("kind") == "full":

@@ -125,9 +125,10 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
     if not cfg.checkpoint.enable:
         return None
     root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
+    warned: set[str] = set()  # this run's: each look-up below re-reads the folders, each skip is said once
     while True:
         try:
-            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped))
+            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped, warned=warned))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if found is None:
@@ -141,7 +142,7 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             return found
         if load_step >= 0:
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
-        warn_once(skip_message(step, problem))
+        warn_once(skip_message(step, problem), warned)
         skipped.append(step)
         if damaged is not None:
             damaged.add(path)

@@ -60,6 +60,7 @@ def sample_file(file: Path, text_field: str, n: int = SAMPLE_RECORDS) -> FileSam
     return _sample(file, text_field, n, stat.st_size, stat.st_mtime_ns)
 
 
+# Memoized safely: keyed by all it reads (the file by path, size and mtime; the field; the count).
 @functools.lru_cache(maxsize=SAMPLE_FILES)
 def _sample(file: Path, text_field: str, n: int, size: int, mtime_ns: int) -> FileSample:
     bad, texts, bad_so_far, offset = BadRecords(-1, quiet=True), [], [], 0

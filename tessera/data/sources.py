@@ -55,6 +55,7 @@ def check_dataset(dataset: str, path: str) -> None:
 
 # --- stdlib: the running interpreter's own source files, always available offline -------------------------
 
+# Memoized safely: it reads only the running interpreter's stdlib folder, fixed for the process.
 @functools.cache
 def _stdlib_files() -> tuple[tuple[Path, str], ...]:
     """(absolute path, relative posix path) of every stdlib .py file, sorted; walked once per process."""

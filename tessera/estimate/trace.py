@@ -251,7 +251,7 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     tr = SimpleNamespace(pipeline=None, loss_parallel=uses_loss_parallel(cfg, world), model=model, loss_fn=loss,
                          autocast=torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext(),
-                         extra_loss=spec.extra_loss, document_bos=bos, grad_accum=grad_accum,
+                         extra_loss=spec.extra_loss, grad_accum=grad_accum,
                          labels_in_forward=labels_in_forward(cfg, spec))
     _configure(cfg, world, model, grad_accum)
     with counting(fake, model) as meter:

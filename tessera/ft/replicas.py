@@ -78,7 +78,7 @@ class ReplicaGroup:
         self.started = time.perf_counter()
         self._batch_index = 0
         fetch = tr.batch_fn
-        tr.batch_fn = lambda trainer, loader: self._batch(fetch, trainer, loader)
+        tr.batch_fn = lambda loader: self._batch(fetch, loader)
         if tr.world.rank == 0:
             log.info(f"fault tolerance: {check.describe(tr.cfg)}; logs in {tr.cfg.job.dump_folder}")
 
@@ -108,14 +108,14 @@ class ReplicaGroup:
                             f"{self.manager.num_participants()} group(s)")
         self._batch_index = 0
 
-    def _batch(self, fetch, tr, loader):
+    def _batch(self, fetch, loader):
         """The training loader's batches of this step, the same ones again when the step is run again."""
-        if loader is not tr.loader:
-            return fetch(tr, loader)
+        if loader is not self.tr.loader:
+            return fetch(loader)
         if self.batches is None:
             self.batches = []
         if self._batch_index == len(self.batches):
-            self.batches.append(fetch(tr, loader))
+            self.batches.append(fetch(loader))
         self._batch_index += 1
         return self.batches[self._batch_index - 1]
 

@@ -51,6 +51,13 @@ class RunView:
 
 
 @dataclass(frozen=True)
+class BatchView:
+    """What a family's batch hook (ModelSpec.batch) gets of the run, typed: not the Trainer."""
+    world: Any  # tessera.distributed.World: the device, and under context parallelism its "cp" mesh
+    document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
     `init_buffers(device, positions=None)` (its position tables, at `positions`: by default 0 ... max_seq_len - 1),
@@ -67,13 +74,14 @@ class ModelSpec:
     # order (a model with two stacks, Flux's double and single blocks, names both)
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
     loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
-    batch: Callable | None = None  # (trainer, loader) -> (inputs by keyword, labels) on device; None: token windows
+    batch: Callable | None = None  # (BatchView, loader) -> (inputs by keyword, labels) on device; None: token windows
     evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
     generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a
     # checkpoint of this family to it (Flux draws images)
-    data: Callable | None = None  # (cfg, world, args, split, bad) -> this rank's loader (next_batch, rewind,
-    # state_dict, load_state_dict) for a family that brings its own data (Flux: image-caption pairs); None: tokens
+    data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch,
+    # rewind, state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen
+    # encoders), for a family that brings its own data (Flux: image-caption pairs); None: tokens
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ def _mask_rule(n_q: int, n_k: int, window: int, chunk: int, documents: torch.Ten
     return rule
 
 
+# Memoized safely: a pure function of its arguments (no documents, so no tensor is read): the same mask each time.
 @functools.lru_cache(maxsize=64)
 def _block_mask(n_q: int, n_k: int, window: int, chunk: int, device: torch.device):
     return create_block_mask(_mask_rule(n_q, n_k, window, chunk, None), None, None, n_q, n_k, device=device,

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from tessera.config import ConfigError
-from tessera.models.flux.data import FluxLoader
+from tessera.models.flux.data import FluxLoader, frozen_encoders
 from tessera.models.flux.latents import CHUNK
 from tessera.preflight import parse_args
 
@@ -42,8 +42,10 @@ def main(argv: list[str]) -> int:
         if cfg.training.dataset == "shapes" and not cfg.flux.shapes_pairs:
             raise ConfigError("flux.shapes_pairs: 0 (endless shapes) cannot be cached; give the number of pairs")
         args = architecture.resolve(cfg, None, None)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        encoders = frozen_encoders(cfg, args, device)  # loaded once for both splits
         for split in ("train", "validation") if cfg.validation.enable else ("train",):
-            loader = FluxLoader(cfg, args, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), split)
+            loader = FluxLoader(cfg, args, 0, 1, device, split, encoders)
             loader.cache = None  # writing it
             n = len(loader.source)
             print(f"{split}: {n} pairs in {write(loader, cfg.flux.latent_cache, n)} chunk(s) under "

@@ -26,13 +26,19 @@ def sample_t(gen: torch.Generator, sampling: str, mean: float, std: float) -> fl
     return torch.sigmoid(mean + std * torch.randn((), generator=gen)).item()
 
 
+def frozen_encoders(cfg, args, device: torch.device, dp_mesh=None):
+    """(text encoders, autoencoder) of `flux.encoders`: built once by whoever builds a run's loaders, and
+    handed to each (the training and validation loaders share them)."""
+    return build_conditioning(cfg.flux.encoders, cfg.flux.text_len, args, device, dp_mesh)
+
+
 class FluxLoader:
     def __init__(self, cfg, args, dp_rank: int, dp_degree: int, device: torch.device, split: str = "train",
-                 dp_mesh=None, bad=None):
+                 encoders=None, bad=None):
         f = cfg.flux
         self.cfg, self.args, self.split, self.device = cfg, args, split, device
         self.local_batch, self.dp_rank, self.dp_degree = cfg.training.local_batch_size, dp_rank, dp_degree
-        self.text, self.autoencoder = conditioning(f.encoders, f.text_len, args, device, dp_mesh)
+        self.text, self.autoencoder = encoders or frozen_encoders(cfg, args, device)
         side = f.resolution // self.autoencoder.scale
         self.img_ids, self.txt_ids = image_ids(side, side).to(device), torch.zeros(f.text_len, 3, device=device)
         self.val_t = [float(x) for x in f.val_timesteps]
@@ -97,32 +103,23 @@ class FluxLoader:
         self.sample_index = int(state["sample_index"])
 
 
-_BUILT: dict = {}
-
-
-def conditioning(kind: str, text_len: int, args, device: torch.device, dp_mesh=None):
-    """The frozen encoders, built once per process (the training and validation loaders share them)."""
-    key = (kind, text_len, args.context_dim, args.pooled_dim, str(device), id(dp_mesh))
-    if key not in _BUILT:
-        _BUILT.clear()
-        _BUILT[key] = build_conditioning(kind, text_len, args, device, dp_mesh)
-    return _BUILT[key]
-
-
-def build_loader(cfg, world, args, split: str, bad=None) -> FluxLoader:
-    if split == "train" and world.rank == 0:
+def build_loaders(cfg, world, args, splits: tuple[str, ...], bad=None) -> dict[str, FluxLoader]:
+    """This rank's loader of each split; one set of frozen encoders (FSDP-sharded over data parallelism) for all."""
+    if world.rank == 0:
         log.info(f"flux: an image is {cfg.training.seq_len} tokens ({cfg.flux.text_len} text + "
                  f"{cfg.training.seq_len - cfg.flux.text_len} image); tps counts them, samples_per_s counts images; "
                  f"FLOPs and MFU are the transformer's alone (text encoders and autoencoder excluded)")
-    return FluxLoader(cfg, args, world.dp_rank, world.dims.dp, world.device, split, world.dp_mesh(), bad)
+    encoders = frozen_encoders(cfg, args, world.device, world.dp_mesh())
+    return {split: FluxLoader(cfg, args, world.dp_rank, world.dims.dp, world.device, split, encoders, bad)
+            for split in splits}
 
 
-def flux_batch(tr, loader) -> tuple[dict, torch.Tensor]:
+def flux_batch(run, loader) -> tuple[dict, torch.Tensor]:
     """The loader's batch; under context parallelism this rank's chunks of the text and of the image tokens
     (and of their ids and targets): attention is bidirectional, so any split works, and CP's is reused."""
     inputs, target = loader.next_batch()
-    if tr.world.dims.cp > 1:
-        mesh = tr.world.mesh["cp"]
+    if run.world.dims.cp > 1:  # run: the run's tessera.models.contract.BatchView
+        mesh = run.world.mesh["cp"]
         inputs = shard_inputs(inputs, mesh.get_local_rank(), mesh.size())
         target = cp.shard_sequence(target, mesh.get_local_rank(), mesh.size())
     return inputs, target

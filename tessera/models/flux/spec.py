@@ -1,11 +1,11 @@
 """Flux's torch side: its transformer, its plan (parallelize.py) and its hooks."""
 
 from tessera.models.contract import ModelSpec
-from tessera.models.flux.data import build_loader, flow_loss, flux_batch
+from tessera.models.flux.data import build_loaders, flow_loss, flux_batch
 from tessera.models.flux.model import Flux
 from tessera.models.flux.parallelize import STACKS, parallelize
 from tessera.models.flux.sample import evaluate
 
 SPEC = ModelSpec(model=Flux, parallelize=parallelize, first_stage=(), last_stage=(), blocks=STACKS, loss=flow_loss,
-                 batch=flux_batch, data=build_loader, evaluate=evaluate,
+                 batch=flux_batch, data=build_loaders, evaluate=evaluate,
                  generate="tessera.models.flux.generate:main")
