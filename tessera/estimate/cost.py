@@ -118,15 +118,15 @@ def _fsdp(cfg, dims, args, counts, grad_accum: int, micro_compute: float, n_micr
     hsdp = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * shard / _bw(dims.world_size // dims.pp, cluster)
     passes = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
     if dims.pp == 1:
-        per_micro = max(0.0, passes * gather + reduce - micro_compute)
+        per_batch = max(0.0, passes * gather + reduce - micro_compute)
     elif reduces_each_microbatch(cfg):  # each micro-batch gathers and reduces as without PP, but between stages'
         # work its forward hides only the forward's gather, its backward the backward's gather and the reduction
-        per_micro = n_micro * (max(0.0, gather - micro_compute / 3)
+        per_batch = n_micro * (max(0.0, gather - micro_compute / 3)
                                + max(0.0, (passes - 1) * gather + reduce - 2 * micro_compute / 3))
     else:  # gathers for the warm-up forwards (1F1B: up to PP of them) and the first backward, then kept
         gathers = min(n_micro, dims.pp) + 1
-        per_micro = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
-    return grad_accum * per_micro + hsdp
+        per_batch = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
+    return grad_accum * per_batch + hsdp  # per_batch: one local batch, all its micro-batches
 
 
 def _activations_comm(cfg, dims, args, grad_accum: int, per_rank_stages: int, cluster: Cluster) -> float:
