@@ -4,7 +4,9 @@ predicted memory and tokens/s.
 
 It searches the degrees (FSDP, or HSDP with one node's shard groups; TP 1-8 within a node; PP; CP keeping 8k+ tokens
 per GPU; EP for MoE models), the activation checkpointing mode (none, selective op, full), the micro-batch and, under
-PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble). Every candidate must pass the launch checks
+PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble) and, for schedules whose backwards are whole, when gradients
+are reduce-scattered (`pipeline_parallel_grad_reduce`: step, or microbatch, estimated only when the same layout with
+step does not fit: it holds less and costs more collectives). Every candidate must pass the launch checks
 (`tessera.preflight.validate`); those whose `floor` (the least a rank holds: parameter, gradient and optimizer shards,
 the activations in flight counted low, no trace) exceeds 90% of the GPU memory are dropped; the rest are ranked by the
 tokens/s per GPU that `tessera.estimate.cost` predicts (FLOPs over peak x MFU, the pipeline bubble, the communication
@@ -21,6 +23,7 @@ from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
 from tessera.estimate.cost import Cluster, step_time
+from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 from tessera.preflight import parse_args, validate
 
@@ -52,6 +55,7 @@ class Candidate:
     ac: str
     local_batch: int
     accumulation: int
+    grad_reduce: str = "step"  # parallelism.pipeline_parallel_grad_reduce, under PP
     tokens_per_s: float = 0.0
     step_s: float = 0.0
     peak: int = 0  # bytes, the exact estimate's
@@ -59,7 +63,7 @@ class Candidate:
 
     @property
     def layout(self) -> tuple:
-        return self.tp, self.pp, self.cp, self.ep, self.replicate, self.schedule
+        return self.tp, self.pp, self.cp, self.ep, self.replicate, self.schedule, self.grad_reduce
 
     def overrides(self, seq_len: int) -> dict[str, dict[str, object]]:
         """The TOML sections and keys this layout sets."""
@@ -68,7 +72,8 @@ class Candidate:
                "tensor_parallel_degree": self.tp, "pipeline_parallel_degree": self.pp,
                "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
         if self.pp > 1:
-            par.update(pipeline_parallel_schedule=self.schedule, pipeline_parallel_microbatch_size=1)
+            par.update(pipeline_parallel_schedule=self.schedule, pipeline_parallel_microbatch_size=1,
+                       pipeline_parallel_grad_reduce=self.grad_reduce)
         dp = self.shard * self.replicate
         return {"parallelism": par,
                 "training": {"local_batch_size": self.local_batch, "seq_len": seq_len,
@@ -118,7 +123,10 @@ def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batc
             if global_batch and (global_batch % per_step or global_batch < per_step):
                 continue
             accumulation = global_batch // per_step if global_batch else 1
-            out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation) for ac in AC]
+            reduces = ("step", "microbatch") if pp > 1 and shard * cp > 1 and schedule not in ZERO_BUBBLE \
+                else ("step",)
+            out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation, reduce)
+                    for reduce in reduces for ac in AC]
     return out
 
 
@@ -158,6 +166,9 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
     for c in ranked:
         if len(found) == top or runs >= max_estimates:
             break
+        if c.grad_reduce == "microbatch" and any(f.layout[:-1] == c.layout[:-1] and (f.ac, f.local_batch) ==
+                                                 (c.ac, c.local_batch) for f in found):
+            continue  # its twin reducing once a step fits, and is at least as fast
         if any(AC_LEVEL[c.ac] <= level and c.local_batch >= batch for level, batch in too_big.get(c.layout, ())):
             continue  # keeps at least as much as a candidate of these degrees that did not fit
         runs += 1
@@ -175,7 +186,8 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
 def floor(cfg: JobConfig, dims, args, counts) -> int:
     """Bytes a rank of this layout holds at least, from the model's sizes alone (no trace): its fp32 parameter
     shards, their gradients and AdamW's two moments (16 B a parameter of a pipeline stage's share of the layers and
-    the larger embedding table; under PP and FSDP also the stage's bf16 parameters, gathered through backward), and
+    the larger embedding table; under PP and FSDP also the stage's bf16 parameters, gathered through backward unless
+    each micro-batch's gradients are reduce-scattered and its parameters freed after its backward), and
     what the micro-batches in flight keep (below). Under the traced estimate on every shipped cluster
     (tests/test_estimate.py), it rules a layout out before its speed is ranked, so that a search at scale spends its
     estimates on layouts that can fit."""
@@ -183,7 +195,8 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     table = args.vocab_size * args.dim
     stage = (counts.params - 2 * table) / dims.pp + (table if dims.pp > 1 else 2 * table)
     states = 16 * stage / (dims.tp * dims.dp_shard * dims.cp)
-    if dims.pp > 1 and dims.dp_shard * dims.cp > 1:  # torch's schedules keep the stage gathered through backward
+    if dims.pp > 1 and dims.dp_shard * dims.cp > 1 and not reduces_each_microbatch(cfg):  # torch's schedules keep
+        # the stage gathered through backward
         states += 2 * stage / dims.tp
     heads, hd = args.n_heads, args.head_dim
     moe = getattr(args, "moe", None)
@@ -216,6 +229,7 @@ def describe(c: Candidate) -> str:
         c.replicate, c.shard, c.cp, c.tp, c.pp, c.ep)
     ac = {"none": "no AC", "op": "selective op AC", "full": "full AC"}[c.ac]
     pipe = f", {c.schedule}" if c.pp > 1 else ""
+    pipe += ", gradients reduce-scattered each micro-batch" if c.grad_reduce == "microbatch" else ""
     acc = f" x {c.accumulation} accumulation steps" if c.accumulation > 1 else ""
     return f"{layout_name(dims)}{pipe}, {ac}, local batch {c.local_batch}{acc}"
 

@@ -153,6 +153,38 @@ def test_time_model_shards_experts_and_dense_parameters_apart():
     assert dense.comm == 0.0  # 8B over 64 ranks: 3.2 GB gathered twice and 6.4 GB reduced per GPU hide behind 5 s
 
 
+def test_time_model_charges_reducing_each_microbatch():
+    """pipeline_parallel_grad_reduce = microbatch gathers and reduce-scatters a stage's parameters every micro-batch,
+    more exposed communication than once a step (Llama 3 70B, PP 4 x FSDP 16: FSDP spans nodes); zero-bubble
+    schedules reduce at the step's end whatever the option, and are charged so."""
+    base = ["--model.flavor", "70B", "--training.seq_len", "2048", "--training.local_batch_size", "8",
+            "--activation_checkpoint.mode", "full", "--parallelism.data_parallel_shard_degree", "16",
+            "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+
+    def comm(schedule: str, reduce: str) -> float:
+        return _time([*base, "--parallelism.pipeline_parallel_schedule", schedule,
+                      "--parallelism.pipeline_parallel_grad_reduce", reduce], 64).comm
+
+    assert comm("1F1B", "microbatch") > 1.5 * comm("1F1B", "step") > 0
+    assert comm("ZBVZeroBubble", "microbatch") == comm("ZBVZeroBubble", "step")
+
+
+def test_plan_reduces_each_microbatch_where_only_that_fits(monkeypatch):
+    """Llama 3 8B on PP 2 x FSDP 4 (the search kept to those degrees) and 24 GiB GPUs: a stage's whole gradients
+    and gathered parameters (the estimate: 36 GiB with full AC) do not fit, the sharded ones (18 GiB) do. The floor
+    rules out every layout reducing once a step before it is ranked, but not those reducing each micro-batch."""
+    from tessera import plan as planner
+
+    everything = planner.candidates
+    monkeypatch.setattr(planner, "candidates",
+                        lambda *a: [c for c in everything(*a) if (c.tp, c.pp, c.cp) == (1, 2, 1)])
+    base = parse_args(["--model.flavor", "8B", "--training.seq_len", "2048"])
+    found, runs = planner.plan(base, 8, 24.0, 1, 40, Cluster())
+    assert len(found) == 1 and runs <= 3 and found[0].grad_reduce == "microbatch", (found, runs)
+    assert found[0].overrides(2048)["parallelism"]["pipeline_parallel_grad_reduce"] == "microbatch"
+    assert "reduce-scattered each micro-batch" in planner.describe(found[0])
+
+
 def test_planned_floor_rules_out_before_ranking():
     """A layout whose parameter, gradient and optimizer shards alone exceed the GPU is not ranked, nor estimated."""
     from tessera.plan import Candidate, configure

@@ -14,7 +14,10 @@
   (when resharded) and a reduce-scatter every micro-batch, prefetched behind that micro-batch's compute: only what
   exceeds it shows. Under PP (torch's schedules keep parameters gathered after the first backward and reduce once
   at the end of the step): a gather per warm-up forward and for the first backward, each hidden behind one
-  micro-batch's compute, and the reduce-scatter after the last backward, hidden behind that backward only.
+  micro-batch's compute, and the reduce-scatter after the last backward, hidden behind that backward only; with
+  `pipeline_parallel_grad_reduce = microbatch` (not under zero-bubble schedules, which reduce at the step's end),
+  every micro-batch gathers and reduce-scatters as without PP, its forward hiding the forward's gather and its
+  backward the backward's gather and the reduce-scatter.
   HSDP adds an all-reduce of the gradient shards across replicas (exposed).
   TP (sequence parallel): per layer and micro-batch, 4 all-gathers / reduce-scatters of the residual stream
   forward and 4 backward, (TP - 1) / TP of it each; exposed (async TP hides half).
@@ -31,6 +34,7 @@ gather and last reduce that no compute hides; network congestion and the topolog
 
 import dataclasses
 
+from tessera.parallel.pp import reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 
 
@@ -112,13 +116,17 @@ def _fsdp(cfg, dims, args, counts, grad_accum: int, micro_compute: float, n_micr
     reduce = sum(4 * n * (g - 1) / g for n, g in groups if g > 1) / bw  # fp32
     shard = sum(4 * n / g for n, g in groups)
     hsdp = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * shard / _bw(dims.world_size // dims.pp, cluster)
+    passes = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
     if dims.pp == 1:
-        passes = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
-        per_micro = max(0.0, passes * gather + reduce - micro_compute)
+        per_batch = max(0.0, passes * gather + reduce - micro_compute)
+    elif reduces_each_microbatch(cfg):  # each micro-batch gathers and reduces as without PP, but between stages'
+        # work its forward hides only the forward's gather, its backward the backward's gather and the reduction
+        per_batch = n_micro * (max(0.0, gather - micro_compute / 3)
+                               + max(0.0, (passes - 1) * gather + reduce - 2 * micro_compute / 3))
     else:  # gathers for the warm-up forwards (1F1B: up to PP of them) and the first backward, then kept
         gathers = min(n_micro, dims.pp) + 1
-        per_micro = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
-    return grad_accum * per_micro + hsdp
+        per_batch = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
+    return grad_accum * per_batch + hsdp  # per_batch: one local batch, all its micro-batches
 
 
 def _activations_comm(cfg, dims, args, grad_accum: int, per_rank_stages: int, cluster: Cluster) -> float:
