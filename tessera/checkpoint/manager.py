@@ -38,6 +38,7 @@ from tessera.checkpoint.folder import (
     MODEL_RECORD,
     CorruptCheckpoint,
     read_marker,
+    read_saved_config,
     resume_point,
     skip_message,
     step_folders,
@@ -52,7 +53,7 @@ from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
 from tessera.models import args_to_json
-from tessera.optim import resume_lr
+from tessera.optim import keep_settings, resume_lr, settings_changed
 
 log = logging.getLogger("tessera")
 # DCP in one process (no process group) says so on every save and load; that is the intended use here.
@@ -352,9 +353,19 @@ class Checkpointer:
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
         set_model_state_dict(tr.model, state["model"], options=StateDictOptions(strict=True))
         if "optimizer" in state:
+            built = [dict(group) for group in tr.optimizer.param_groups]
             set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
+            keep_settings(tr.optimizer, built)  # a setting changed on resume is applied, not the saved one
+            self._say_optimizer_changes(path)
         if "train" in state:
             self._load_train_state(tr, read_train(state["train"]), excluded)
+
+    def _say_optimizer_changes(self, path: str) -> None:
+        changed = settings_changed(read_saved_config(path).get("optimizer", {}), self.cfg.optimizer)
+        if changed and self.rank == 0:
+            log.warning(f"optimizer: {', '.join(changed)} since the checkpoint at {path}: applied from the next "
+                        f"step; the optimizer's moments are kept and the lr schedule continues from the step "
+                        f"reached with the new peak")
 
     @staticmethod
     def _load_train_state(tr: Saved, train: dict, excluded: set[str]) -> None:

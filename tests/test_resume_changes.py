@@ -1,0 +1,61 @@
+"""What changed between a run and its resume: settings applied (optimizer), files and checkpoints checked before
+any rank starts (damaged checkpoints, changed data or tokenizer, damaged exports)."""
+
+import logging
+import tempfile
+
+import pytest
+import torch
+
+from tessera.optim import lr_lambda
+from tessera.train import train
+from tests.dist_worker import _trainer, full_params, run_train
+from tests.launch import resume_copy
+
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.last_save_model_only=false"]
+
+
+@pytest.fixture
+def warnings_logged():
+    """The warnings the "tessera" logger gives while the test runs."""
+    found: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage())
+    logger = logging.getLogger("tessera")
+    logger.addHandler(handler)
+    yield found
+    logger.removeHandler(handler)
+
+
+def test_optimizer_settings_changed_on_resume_are_applied(tmp_path, warnings_logged):
+    """lr, betas, eps, weight decay and Adam instead of AdamW, given on resume: the saved moments go on under
+    the new settings and the schedule continues at the step reached with the new peak, said in one line."""
+    run_train(["--job.dump_folder", str(tmp_path / "run"), *CKPT], 4)
+    changed = ["--optimizer.lr", "1e-3", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9", "--optimizer.eps",
+               "1e-6", "--optimizer.weight_decay", "0.3", "--optimizer.name", "Adam"]
+    same = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "same", 4)), *CKPT], 6)
+    warnings_logged.clear()
+    new = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "new", 4)), *CKPT,
+                     *changed], 6)
+    assert new["start"] == same["start"] == 4
+    said = [w for w in warnings_logged if w.startswith("optimizer: ")]
+    assert len(said) == 1 and said[0].startswith("optimizer: name AdamW -> Adam, lr 0.003 -> 0.001, beta1 0.9 -> "
+                                                 "0.8, beta2 0.95 -> 0.9, eps 1e-08 -> 1e-06, weight_decay 0.1 -> "
+                                                 "0.3 since the checkpoint at "), said
+    cfg = _trainer(["--job.dump_folder", str(tmp_path / "cfg")], 6, str(tmp_path / "cfg")).cfg.lr_scheduler
+    assert new["lrs"] == {s: pytest.approx(1e-3 * lr_lambda(s - 1, cfg, 6), rel=1e-12) for s in (5, 6)}
+    assert new["losses"][5] == same["losses"][5] and new["losses"][6] != same["losses"][6]
+    # The reference: the unchanged resume, its optimizer's settings and peak lr then set by hand.
+    with tempfile.TemporaryDirectory() as scratch:
+        tr = _trainer(["--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "ref", 4)), *CKPT], 6,
+                      scratch)
+        for group in tr.optimizer.param_groups:
+            group.update(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3, decoupled_weight_decay=False)
+        tr.scheduler.base_lrs = [1e-3] * len(tr.optimizer.param_groups)
+        for group in tr.optimizer.param_groups:
+            group["lr"] = 1e-3 * lr_lambda(tr.step, cfg, 6)
+        train(tr)
+        tr.metrics.close()
+        for name, value in full_params(tr.model).items():
+            torch.testing.assert_close(new["params"][name], value, rtol=0, atol=0)
