@@ -13,7 +13,8 @@ import sys
 import tempfile
 
 from tessera import architecture, config
-from tessera.checkpoint.folder import read_saved_config, resume_point
+from tessera.checkpoint.folder import read_saved_config
+from tessera.checkpoint.launch_check import launch_resume_point
 from tessera.config import ConfigError
 from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
 from tessera.ft import check as ft_check
@@ -151,12 +152,7 @@ def _check_resume(cfg: JobConfig):
     the architecture the run will build (its vocabulary may still follow the tokenizer)."""
     resume = None
     if cfg.checkpoint.enable:
-        try:
-            # Sizes only, and quietly: the ranks check the content (each reads a share) and say what they skip.
-            resume = resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step,
-                                  content=False, report=False)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        resume = launch_resume_point(cfg, launcher="LOCAL_RANK" not in os.environ)
     if resume is not None and resume[2].get("kind") == "full":
         step, path, _ = resume
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:

@@ -10,7 +10,7 @@ import torch
 from tessera.optim import lr_lambda
 from tessera.train import train
 from tests.dist_worker import _trainer, full_params, run_train
-from tests.launch import resume_copy
+from tests.launch import merge, resume_copy
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
         "--checkpoint.last_save_model_only=false"]
@@ -59,3 +59,59 @@ def test_optimizer_settings_changed_on_resume_are_applied(tmp_path, warnings_log
         tr.metrics.close()
         for name, value in full_params(tr.model).items():
             torch.testing.assert_close(new["params"][name], value, rtol=0, atol=0)
+
+
+def _flip_middle(file, count: int = 64) -> None:
+    """Damage a file in place, its size unchanged: only its checksum tells."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    file.write_bytes(bytes(data))
+
+
+def test_every_checkpoint_damaged_is_refused_and_never_overwritten(tmp_path, capsys):
+    """Steps 2 and 4 both damaged (or keep_latest_k = 1 and its only one): one line before any rank starts, exit 2,
+    nothing written; the ranks' own look-up (sizes checked before them) refuses the same; with
+    checkpoint.start_fresh_if_all_damaged the run trains from step 0 and the damaged ones are kept aside."""
+    from tessera.checkpoint.folder import digest_file
+    from tessera.checkpoint.manager import find_resume
+    from tessera.config import ConfigError
+    from tessera.preflight import parse_args
+    from tessera.train import main
+    from tests.dist_worker import BASE
+
+    dump, root = tmp_path / "run", tmp_path / "run/checkpoint"
+    argv = merge(BASE, ["--job.dump_folder", str(dump)], CKPT, ["--checkpoint.interval", "2", "--training.steps", "4"])
+    assert main(argv) == 0
+    for step in (2, 4):
+        _flip_middle(root / f"step-{step}/__0_0.distcp")
+    before = {p: digest_file(str(p)) for p in root.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"tessera: job.dump_folder: every checkpoint under {root} is damaged (step 4: {root}/step-4/__0_0.distcp "
+        f"changed after it was written"), err
+    assert f"; step 2: {root}/step-2/__0_0.distcp changed" in err[0] and err[0].endswith(
+        f"so the run would start over from step 0; repair them, move them out of {root}, or set "
+        f"--checkpoint.start_fresh_if_all_damaged to train from step 0 (they are then moved to {root}/damaged "
+        f"and kept)"), err
+    assert {p: digest_file(str(p)) for p in root.rglob("*") if p.is_file()} == before
+    with pytest.raises(ConfigError, match=f"every checkpoint under {root} is damaged"):
+        find_resume(parse_args(argv))  # a rank's look-up: it finds the checksums wrong itself
+    capsys.readouterr()
+    assert main([*argv, "--checkpoint.start_fresh_if_all_damaged"]) == 0
+    assert sorted(p.name for p in (root / "damaged").iterdir()) == ["step-2", "step-4"]
+    assert {p: digest_file(str(p)) for p in (root / "damaged").rglob("*") if p.is_file()} == {
+        root / "damaged" / p.relative_to(root): d for p, d in before.items()}
+    assert main(argv) == 0  # the new checkpoints are intact: it resumes from step 4, nothing to train
+    # keep_latest_k = 1, its only checkpoint damaged
+    one = tmp_path / "one"
+    argv = merge(BASE, ["--job.dump_folder", str(one)], CKPT, ["--checkpoint.keep_latest_k", "1",
+                                                               "--training.steps", "4"])
+    assert main(argv) == 0 and sorted(p.name for p in (one / "checkpoint").iterdir()) == ["step-4"]
+    _flip_middle(one / "checkpoint/step-4/__0_0.distcp")
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "every checkpoint under" in err[0] and "(step 4: " in err[0], err

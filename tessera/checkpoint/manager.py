@@ -32,11 +32,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.checkpoint.folder import (
+    DAMAGED,
     DIGEST,
     EXPORTS,
     MARKER,
     MODEL_RECORD,
     CorruptCheckpoint,
+    Damaged,
+    all_damaged,
     read_marker,
     read_saved_config,
     resume_point,
@@ -127,11 +130,24 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
         return None
     root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
     warned: set[str] = set()  # this run's: each look-up below re-reads the folders, each skip is said once
+    broken: dict[int, Damaged] = {}  # the complete checkpoints found damaged, by step
+
+    def look():
+        found_damaged: list[Damaged] = []
+        return resume_point(root, load_step, content=False, skip=skipped, warned=warned,
+                            damaged=found_damaged), found_damaged
+
     while True:
         try:
-            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped, warned=warned))
+            found, by_size = on_rank0(look)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        broken.update({d.step: d for d in by_size})
+        if damaged is not None:
+            damaged.update(d.path for d in by_size)
+        if found is None or found[2].get("kind") != "full":
+            if (refusal := all_damaged(root, found, broken.values())) and not cfg.checkpoint.start_fresh_if_all_damaged:
+                raise ConfigError(refusal)
         if found is None:
             return None
         step, path, marker = found
@@ -145,6 +161,7 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
         warn_once(skip_message(step, problem), warned)
         skipped.append(step)
+        broken[step] = Damaged(step, path, marker.get("kind"), problem)
         if damaged is not None:
             damaged.add(path)
 
@@ -259,11 +276,31 @@ class Checkpointer:
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
     def _fresh_folder(self, path: str) -> str:
-        """`path`, emptied of an earlier save's files (interrupted, damaged, or of a run resumed from an older
-        step) before any rank writes: they would be listed with this one's; the broadcast orders it first."""
+        """`path`, emptied of an earlier save's files (interrupted, or of a run resumed from an older step) before
+        any rank writes: they would be listed with this one's; the broadcast orders it first. A damaged checkpoint
+        there is set aside, not overwritten."""
+        if path in self.damaged:
+            self._set_aside(path)
         on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
-        self.damaged.discard(path)
         return path
+
+    def _set_aside(self, path: str) -> None:
+        """A damaged checkpoint moved to checkpoint.folder/damaged/ (neither resumed, purged nor overwritten there)
+        for the user to repair or delete."""
+        def move() -> str:
+            target = os.path.join(self.root, DAMAGED, os.path.basename(path))
+            for n in range(1, 1000):
+                if not os.path.exists(target):
+                    break
+                target = os.path.join(self.root, DAMAGED, f"{os.path.basename(path)}.{n}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(path, target)
+            return target
+
+        target = on_rank0(move)
+        if self.rank == 0:
+            log.warning(f"damaged checkpoint {path} moved to {target} (kept: repair or delete it)")
+        self.damaged.discard(path)
 
     def _async_save(self, state: dict, writer: HashingWriter) -> Future:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -312,6 +349,9 @@ class Checkpointer:
     def load(self, resume: tuple[int, str, dict] | None) -> None:
         """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
         initial_load_path; else leave the fresh model."""
+        if self.damaged and (resume is None or resume[2]["kind"] != "full"):  # start_fresh_if_all_damaged
+            for path in sorted(self.damaged):
+                self._set_aside(path)
         if resume is not None:
             step, path, marker = resume  # content-checked by find_resume
             self.verified.add(path)
