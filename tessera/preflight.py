@@ -57,12 +57,13 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
-    args = _check_resume(cfg)
+    args, resume = _check_resume(cfg)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
     if not family(m.name).own_data:  # a family with its own data checks it in its check
         _check_data(cfg)
+        _check_tokenizer_vocab(cfg, args, resume)
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -149,7 +150,8 @@ def _check_folders(cfg: JobConfig) -> None:
 
 def _check_resume(cfg: JobConfig):
     """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
-    the architecture the run will build (its vocabulary may still follow the tokenizer)."""
+    the architecture the run will build (its vocabulary may still follow the tokenizer) and that checkpoint's
+    path, if any."""
     resume = None
     if cfg.checkpoint.enable:
         resume = launch_resume_point(cfg, launcher="LOCAL_RANK" not in os.environ)
@@ -163,7 +165,24 @@ def _check_resume(cfg: JobConfig):
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
-    return architecture.resolve(cfg, None, resume[1] if resume else None)
+    path = resume[1] if resume else None
+    return architecture.resolve(cfg, None, path), path
+
+
+def _check_tokenizer_vocab(cfg: JobConfig, args, resume: str | None) -> None:
+    """Resuming: the tokenizer's vocabulary fits the checkpoint's model, and is the one it was trained with where
+    the flavor takes the tokenizer's; refused here rather than by the ranks once they have loaded it."""
+    if not cfg.model.hf_assets_path or resume is None:
+        return
+    from tessera.data.tokenizer import HFTokenizer
+
+    vocab, path = HFTokenizer(cfg.model.hf_assets_path).vocab_size, os.path.join(cfg.model.hf_assets_path,
+                                                                                 "tokenizer.json")
+    takes = cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab
+    if vocab > args.vocab_size or (takes and vocab != args.vocab_size):
+        raise ConfigError(f"model.hf_assets_path: the tokenizer {path} has {vocab} tokens, but the model of the "
+                          f"checkpoint at {resume} has a vocabulary of {args.vocab_size}: it was trained with "
+                          f"another tokenizer; resume with that one, or pick another job.dump_folder")
 
 
 # [optimizer] settings that decide the optimizer's state (Muon's momentum or Adam's moments per matrix) and its

@@ -115,3 +115,36 @@ def test_every_checkpoint_damaged_is_refused_and_never_overwritten(tmp_path, cap
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "every checkpoint under" in err[0] and "(step 4: " in err[0], err
+
+
+def test_damaged_load_step_and_another_tokenizer_are_refused_at_launch(tmp_path, capsys):
+    """The launch check (`python -m tessera.config`, before any rank starts) compares checksums, not only sizes,
+    of the checkpoint checkpoint.load_step names; and the tokenizer's vocabulary with the checkpoint's."""
+    from tessera import preflight
+    from tessera.train import main
+    from tests.dist_worker import BASE
+    from tests.test_prepared import word_tokenizer
+
+    dump, root = tmp_path / "run", tmp_path / "run/checkpoint"
+    argv = merge(BASE, ["--job.dump_folder", str(dump), "--model.hf_assets_path",
+                        str(word_tokenizer(tmp_path / "tok", 20))], CKPT,
+                 ["--checkpoint.interval", "2", "--training.steps", "4"])
+    assert main(argv) == 0
+    assert preflight.main([*argv, "--checkpoint.load_step", "2"]) == 0
+    for name in (".metadata", "__0_0.distcp"):
+        damaged = root / f"step-2/{name}"
+        intact = damaged.read_bytes()
+        _flip_middle(damaged, 8)
+        capsys.readouterr()
+        assert preflight.main([*argv, "--checkpoint.load_step", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"tessera: checkpoint.load_step: step 2 at {root}/step-2 is not "
+                                                   f"usable: {damaged} changed after it was written"), err
+        damaged.write_bytes(intact)
+    other = word_tokenizer(tmp_path / "other", 30)
+    capsys.readouterr()
+    assert preflight.main(merge(argv, ["--model.hf_assets_path", str(other)])) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tessera: model.hf_assets_path: the tokenizer {other}/tokenizer.json has 40 tokens, but the model of the "
+        f"checkpoint at {root}/step-4 has a vocabulary of 30: it was trained with another tokenizer; resume with "
+        f"that one, or pick another job.dump_folder"]
