@@ -14,7 +14,7 @@ import tempfile
 
 from tessera import architecture, config
 from tessera.checkpoint.folder import read_saved_config
-from tessera.checkpoint.launch_check import launch_resume_point
+from tessera.checkpoint.launch_check import check_initial_load, launch_resume_point
 from tessera.config import ConfigError
 from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
 from tessera.ft import check as ft_check
@@ -165,6 +165,8 @@ def _check_resume(cfg: JobConfig):
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
+    if resume is None:  # then the run starts from initial_load_path, if given
+        check_initial_load(cfg, launcher="LOCAL_RANK" not in os.environ)
     path = resume[1] if resume else None
     return architecture.resolve(cfg, None, path), path
 

@@ -148,3 +148,48 @@ def test_damaged_load_step_and_another_tokenizer_are_refused_at_launch(tmp_path,
         f"tessera: model.hf_assets_path: the tokenizer {other}/tokenizer.json has 40 tokens, but the model of the "
         f"checkpoint at {root}/step-4 has a vocabulary of 30: it was trained with another tokenizer; resume with "
         f"that one, or pick another job.dump_folder"]
+
+
+def test_hf_folders_are_checked_before_ranks_start(tmp_path, capsys):
+    """checkpoint.initial_load_path with initial_load_in_hf: an export with a .complete marker is checked against
+    its checksums, and any folder's safetensors by their headers, before ranks start; a folder without a marker
+    (from a hub) is accepted."""
+    import shutil
+
+    from tessera import preflight
+    from tessera.train import main
+    from tests.dist_worker import BASE
+
+    assert main(merge(BASE, ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable",
+                             "--checkpoint.last_save_in_hf", "--training.steps", "1"])) == 0
+    export = tmp_path / "run/checkpoint/exports/step-1"
+    hub = tmp_path / "hub"  # the same files as a hub download: no marker
+    shutil.copytree(export, hub, ignore=shutil.ignore_patterns(".complete"))
+    argv = merge(BASE, ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--model.flavor=",
+                        "--training.steps", "1"])
+
+    def check(folder) -> list[str]:
+        capsys.readouterr()
+        code = preflight.main([*argv, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
+                               str(folder)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (code == 0) == (not err), (code, err)
+        return err
+
+    assert check(export) == [] and check(hub) == []
+    weights = next(export.glob("*.safetensors"))
+    _flip_middle(weights)
+    err = check(export)
+    assert len(err) == 1 and err[0].startswith(f"tessera: checkpoint.initial_load_path: '{export}' is damaged: "
+                                               f"{weights} changed after it was written"), err
+    assert check(hub) == []  # the intact copy, unmarked
+    hub_weights = hub / weights.name
+    whole = hub_weights.read_bytes()
+    hub_weights.write_bytes(whole[: len(whole) - 100])
+    assert check(hub) == [f"tessera: checkpoint.initial_load_path: {hub_weights} has {len(whole) - 100} bytes, but "
+                          f"its header describes {len(whole)}: it was cut short or altered; download or export it "
+                          f"again"]
+    hub_weights.write_bytes(b"<html>not found</html>" * 10)
+    err = check(hub)
+    assert len(err) == 1 and err[0].startswith(f"tessera: checkpoint.initial_load_path: {hub_weights} is truncated "
+                                               f"or not a safetensors file"), err
