@@ -159,6 +159,9 @@ def _check_resume(cfg: JobConfig):
         step, path, _ = resume
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_data(cfg, path, read_saved_config(path).get("training", {}))
+            if not family(cfg.model.name).own_data:
+                from tessera.data import fingerprint
+                fingerprint.check_resume(cfg, path)
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_optimizer(cfg, path, read_saved_config(path).get("optimizer", {}))
         if cfg.training.steps < step:

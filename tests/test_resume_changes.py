@@ -1,6 +1,7 @@
 """What changed between a run and its resume: settings applied (optimizer), files and checkpoints checked before
 any rank starts (damaged checkpoints, changed data or tokenizer, damaged exports)."""
 
+import json
 import logging
 import tempfile
 
@@ -193,3 +194,65 @@ def test_hf_folders_are_checked_before_ranks_start(tmp_path, capsys):
     err = check(hub)
     assert len(err) == 1 and err[0].startswith(f"tessera: checkpoint.initial_load_path: {hub_weights} is truncated "
                                                f"or not a safetensors file"), err
+
+
+def test_changed_data_or_tokenizer_under_the_same_path_is_refused(tmp_path, capsys):
+    """Each checkpoint records fingerprints of the data files (size, sampled blocks) and of tokenizer.json (whole):
+    a file rewritten in place, grown, or a tokenizer with other ids is refused before ranks start, with the ways
+    out; checkpoints from before the fingerprints still resume."""
+    from tessera import preflight
+    from tessera.checkpoint.folder import write_marker
+    from tessera.train import main
+    from tests.dist_worker import BASE
+    from tests.test_prepared import word_tokenizer
+
+    data, tok = tmp_path / "data.jsonl", word_tokenizer(tmp_path / "tok", 20)
+    lines = [json.dumps({"text": " ".join(["doc row the text file ab cd"] * (1 + i % 7))}) for i in range(400)]
+    data.write_text("\n".join(lines) + "\n")
+    dump = tmp_path / "run"
+    argv = merge(BASE, ["--job.dump_folder", str(dump), "--model.hf_assets_path", str(tok), "--training.dataset",
+                        "files", "--training.dataset_path", str(data)], CKPT,
+                 ["--checkpoint.interval", "2", "--training.steps", "2"])
+    assert main(argv) == 0
+    step = dump / "checkpoint/step-2"
+    record = json.loads((step / "inputs.json").read_text())
+    assert [f["file"] for f in record["data"]] == [str(data)] and record["tokenizer"]["file"] == f"{tok}/tokenizer.json"
+    argv = merge(argv, ["--training.steps", "4"])
+
+    def check(*extra: str) -> list[str]:
+        capsys.readouterr()
+        code = preflight.main(merge(argv, list(extra)))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (code == 0) == (not err) and code in (0, 2), (code, err)
+        return err
+
+    assert check() == []
+    ways = (f"since the checkpoint at {step}, whose data position counts samples of what it read; resume with "
+            f"those files, add dataloader to checkpoint.exclude_from_loading to start this data at its first sample, "
+            f"or set --checkpoint.accept_changed_data to resume the position in the changed files on purpose (e.g. "
+            f"documents appended)")
+    original = data.read_bytes()
+    data.write_text("\n".join(reversed(lines)) + "\n")  # rewritten in place: the same size, other order
+    err = check()
+    assert len(err) == 1 and err[0].startswith(f"tessera: training.dataset_path: {data} has changed (the same size, "
+                                               f"other content (its sampled xxh3_64 was ") and err[0].endswith(ways)
+    assert check("--checkpoint.accept_changed_data") == []
+    assert check("--checkpoint.exclude_from_loading", "dataloader") == []
+    data.write_bytes(original + b'{"text": "doc doc"}\n')  # appended
+    assert check() == [f"tessera: training.dataset_path: {data} has changed ({len(original)} bytes then, "
+                       f"{len(original) + 20} now) {ways}"]
+    data.write_bytes(original)
+    tokenizer = tok / "tokenizer.json"
+    saved_tokenizer = tokenizer.read_text()
+    table = json.loads(saved_tokenizer)
+    vocab = table["model"]["vocab"]
+    vocab["doc"], vocab["row"] = vocab["row"], vocab["doc"]  # the same words and count, other ids
+    tokenizer.write_text(json.dumps(table))
+    err = check()
+    assert len(err) == 1 and err[0].startswith(f"tessera: model.hf_assets_path: {tokenizer} has changed (") \
+        and err[0].endswith(ways), err
+    # A checkpoint from before fingerprints: resumes as before
+    (step / "inputs.json").unlink()
+    (step / ".complete").unlink()
+    write_marker(str(step), 2, "full")
+    assert check() == [] and main(argv) == 0

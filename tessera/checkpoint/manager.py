@@ -53,9 +53,10 @@ from tessera.checkpoint.folder import (
 from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
+from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
-from tessera.models import args_to_json
+from tessera.models import args_to_json, family
 from tessera.optim import keep_settings, resume_lr, settings_changed
 
 log = logging.getLogger("tessera")
@@ -200,6 +201,9 @@ class Checkpointer:
         self.stall_s = 0.0  # training time lost to saving since the last report
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
+        # What the data position depends on (data files, tokenizer), recorded in each full checkpoint.
+        self.inputs = inputs_print(cfg) if rank == 0 and self.c.enable and not family(cfg.model.name).own_data \
+            else None
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, model_only: bool, dtype: torch.dtype | None = None) -> dict:
@@ -319,6 +323,8 @@ class Checkpointer:
         if self.rank != 0:
             return
         records = write_run_record(path, self.cfg, self.model_args)
+        if kind == "full" and self.inputs:
+            records[INPUTS] = write_hashed(os.path.join(path, INPUTS), json.dumps(self.inputs, indent=1))
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind, {**digests, **records})

@@ -244,6 +244,9 @@ class Checkpoint:
     start_fresh_if_all_damaged: bool = opt(False, "when every checkpoint in the folder is damaged, train from step "
                                            "0 instead of refusing; the damaged ones are moved to its damaged/ "
                                            "folder and kept")
+    accept_changed_data: bool = opt(False, "resume the saved data position although training.dataset_path's files "
+                                    "or the tokenizer changed since the checkpoint (on purpose, e.g. documents "
+                                    "appended); off: such a resume is refused")
 
 
 @dataclass
