@@ -45,8 +45,9 @@ def markdown_reference() -> str:
     return config.markdown_reference(JobConfig)
 
 
-def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Check everything that can be checked without torch; returns the resolved parallel degrees."""
+def validate(cfg: JobConfig, world_size: int, launch: bool = False) -> ParallelDims:
+    """Check everything that can be checked without torch; returns the resolved parallel degrees. `launch`: the
+    check before ranks start, which also reads the checkpoint a run starts from against its checksums."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     if m.name not in FAMILIES:
@@ -57,13 +58,16 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
-    args, resume = _check_resume(cfg)
+    args, resume = _check_resume(cfg, launch)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
     if not family(m.name).own_data:  # a family with its own data checks it in its check
         _check_data(cfg)
         _check_tokenizer_vocab(cfg, args, resume)
+        if resume and "dataloader" not in cfg.checkpoint.exclude_from_loading:
+            from tessera.data import fingerprint
+            fingerprint.check_resume(cfg, resume)  # the files the data position counts in are the same
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -148,20 +152,17 @@ def _check_folders(cfg: JobConfig) -> None:
         _writable_folder("checkpoint.folder", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
 
 
-def _check_resume(cfg: JobConfig):
+def _check_resume(cfg: JobConfig, launch: bool):
     """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
     the architecture the run will build (its vocabulary may still follow the tokenizer) and that checkpoint's
     path, if any."""
     resume = None
     if cfg.checkpoint.enable:
-        resume = launch_resume_point(cfg, launcher="LOCAL_RANK" not in os.environ)
+        resume = launch_resume_point(cfg, launch)
     if resume is not None and resume[2].get("kind") == "full":
         step, path, _ = resume
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_data(cfg, path, read_saved_config(path).get("training", {}))
-            if not family(cfg.model.name).own_data:
-                from tessera.data import fingerprint
-                fingerprint.check_resume(cfg, path)
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_optimizer(cfg, path, read_saved_config(path).get("optimizer", {}))
         if cfg.training.steps < step:
@@ -169,7 +170,7 @@ def _check_resume(cfg: JobConfig):
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
     if resume is None:  # then the run starts from initial_load_path, if given
-        check_initial_load(cfg, launcher="LOCAL_RANK" not in os.environ)
+        check_initial_load(cfg, launch)
     path = resume[1] if resume else None
     return architecture.resolve(cfg, None, path), path
 
@@ -436,7 +437,7 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        validate(parse_args(argv), world_size)
+        validate(parse_args(argv), world_size, launch=True)
     except ConfigError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """What the launch pre-check reads of the checkpoints a run starts from, before any rank starts (torch-free).
 
-The launcher's pre-check (no LOCAL_RANK: `python -m tessera.config`, or a one-process run) reads the checkpoint
+The launch check (`python -m tessera.config`, which run_train.sh runs, or a one-process run) reads the checkpoint
 it would resume from whole, against its checksums, so that a damaged one named by `checkpoint.load_step`, or a
 folder whose every checkpoint is damaged, is refused before ranks start; each rank's own pre-check reads sizes
 only (the ranks then check the content, each a share). The same holds for the folder `initial_load_path` names
@@ -15,13 +15,13 @@ from tessera.checkpoint.folder import all_damaged, damage, resume_point
 from tessera.config import ConfigError
 
 
-def launch_resume_point(cfg, launcher: bool) -> tuple[int, str, dict] | None:
+def launch_resume_point(cfg, launch: bool) -> tuple[int, str, dict] | None:
     """(step, path, marker) the run would resume from, quietly (the ranks say what they skip); ConfigError for a
     `load_step` missing or damaged, or every checkpoint damaged (unless checkpoint.start_fresh_if_all_damaged).
-    `launcher`: check the files' checksums, not only their sizes."""
+    `launch`: check the files' checksums, not only their sizes."""
     root, damaged = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), []
     try:
-        found = resume_point(root, cfg.checkpoint.load_step, content=launcher, report=False, damaged=damaged)
+        found = resume_point(root, cfg.checkpoint.load_step, content=launch, report=False, damaged=damaged)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if (refusal := all_damaged(root, found, damaged)) and not cfg.checkpoint.start_fresh_if_all_damaged:
@@ -29,14 +29,14 @@ def launch_resume_point(cfg, launcher: bool) -> tuple[int, str, dict] | None:
     return found
 
 
-def check_initial_load(cfg, launcher: bool) -> None:
+def check_initial_load(cfg, launch: bool) -> None:
     """The folder checkpoint.initial_load_path names (read when the run resumes nothing): with a marker, its
-    files against their checksums (`launcher`); Hugging Face safetensors, whole by their headers."""
+    files against their checksums (`launch`); Hugging Face safetensors, whole by their headers."""
     c = cfg.checkpoint
     if not (c.enable and c.initial_load_path and os.path.exists(c.initial_load_path)):
         return
     folder = c.initial_load_path if os.path.isdir(c.initial_load_path) else os.path.dirname(c.initial_load_path)
-    if launcher and (problem := damage(folder)):
+    if launch and (problem := damage(folder)):
         raise ConfigError(f"checkpoint.initial_load_path: {problem}")
     for file in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))) if c.initial_load_in_hf else ():
         if problem := safetensors_problem(file):
