@@ -196,6 +196,7 @@ def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys, skipp
         warnings.simplefilter("always")
         resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
     assert resumed["start"] == 4  # fell back past the truncated step 8, then saved step 8 afresh, not over it
+    assert os.path.getsize(tmp_path / "copy/checkpoint/damaged/step-8/__0_0.distcp") == written // 2  # set aside
     assert not [w for w in caught if "overwrit" in str(w.message)], [str(w.message) for w in caught]
     skipped.clear()  # a whole launch (its pre-check, then the rank's look-up) says it once
     assert main([*BASE, "--job.dump_folder", str(resume_copy(dump, tmp_path / "main", 8)), *CKPT,
