@@ -32,12 +32,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.checkpoint.folder import (
+    DAMAGED,
     DIGEST,
     EXPORTS,
     MARKER,
     MODEL_RECORD,
     CorruptCheckpoint,
+    Damaged,
+    all_damaged,
     read_marker,
+    read_saved_config,
     resume_point,
     skip_message,
     step_folders,
@@ -49,10 +53,11 @@ from tessera.checkpoint.folder import (
 from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
+from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
-from tessera.models import args_to_json
-from tessera.optim import resume_lr
+from tessera.models import args_to_json, family
+from tessera.optim import keep_settings, resume_lr, settings_changed
 
 log = logging.getLogger("tessera")
 # DCP in one process (no process group) says so on every save and load; that is the intended use here.
@@ -126,11 +131,24 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
         return None
     root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
     warned: set[str] = set()  # this run's: each look-up below re-reads the folders, each skip is said once
+    broken: dict[int, Damaged] = {}  # the complete checkpoints found damaged, by step
+
+    def look():
+        found_damaged: list[Damaged] = []
+        return resume_point(root, load_step, content=False, skip=skipped, warned=warned,
+                            damaged=found_damaged), found_damaged
+
     while True:
         try:
-            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped, warned=warned))
+            found, by_size = on_rank0(look)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        broken.update({d.step: d for d in by_size})
+        if damaged is not None:
+            damaged.update(d.path for d in by_size)
+        if found is None or found[2].get("kind") != "full":
+            if (refusal := all_damaged(root, found, broken.values())) and not cfg.checkpoint.start_fresh_if_all_damaged:
+                raise ConfigError(refusal)
         if found is None:
             return None
         step, path, marker = found
@@ -144,6 +162,7 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
         warn_once(skip_message(step, problem), warned)
         skipped.append(step)
+        broken[step] = Damaged(step, path, marker.get("kind"), problem)
         if damaged is not None:
             damaged.add(path)
 
@@ -182,6 +201,9 @@ class Checkpointer:
         self.stall_s = 0.0  # training time lost to saving since the last report
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
+        # What the data position depends on (data files, tokenizer), recorded in each full checkpoint.
+        self.inputs = inputs_print(cfg) if rank == 0 and self.c.enable and not family(cfg.model.name).own_data \
+            else None
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, model_only: bool, dtype: torch.dtype | None = None) -> dict:
@@ -258,11 +280,31 @@ class Checkpointer:
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
     def _fresh_folder(self, path: str) -> str:
-        """`path`, emptied of an earlier save's files (interrupted, damaged, or of a run resumed from an older
-        step) before any rank writes: they would be listed with this one's; the broadcast orders it first."""
+        """`path`, emptied of an earlier save's files (interrupted, or of a run resumed from an older step) before
+        any rank writes: they would be listed with this one's; the broadcast orders it first. A damaged checkpoint
+        there is set aside, not overwritten."""
+        if path in self.damaged:
+            self._set_aside(path)
         on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
-        self.damaged.discard(path)
         return path
+
+    def _set_aside(self, path: str) -> None:
+        """A damaged checkpoint moved to checkpoint.folder/damaged/ (neither resumed, purged nor overwritten there)
+        for the user to repair or delete."""
+        def move() -> str:
+            target = os.path.join(self.root, DAMAGED, os.path.basename(path))
+            for n in range(1, 1000):
+                if not os.path.exists(target):
+                    break
+                target = os.path.join(self.root, DAMAGED, f"{os.path.basename(path)}.{n}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(path, target)
+            return target
+
+        target = on_rank0(move)
+        if self.rank == 0:
+            log.warning(f"damaged checkpoint {path} moved to {target} (kept: repair or delete it)")
+        self.damaged.discard(path)
 
     def _async_save(self, state: dict, writer: HashingWriter) -> Future:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -281,6 +323,8 @@ class Checkpointer:
         if self.rank != 0:
             return
         records = write_run_record(path, self.cfg, self.model_args)
+        if kind == "full" and self.inputs:
+            records[INPUTS] = write_hashed(os.path.join(path, INPUTS), json.dumps(self.inputs, indent=1))
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind, {**digests, **records})
@@ -311,6 +355,9 @@ class Checkpointer:
     def load(self, resume: tuple[int, str, dict] | None) -> None:
         """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
         initial_load_path; else leave the fresh model."""
+        if self.damaged and (resume is None or resume[2]["kind"] != "full"):  # start_fresh_if_all_damaged
+            for path in sorted(self.damaged):
+                self._set_aside(path)
         if resume is not None:
             step, path, marker = resume  # content-checked by find_resume
             self.verified.add(path)
@@ -352,9 +399,19 @@ class Checkpointer:
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
         set_model_state_dict(tr.model, state["model"], options=StateDictOptions(strict=True))
         if "optimizer" in state:
+            built = [dict(group) for group in tr.optimizer.param_groups]
             set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
+            keep_settings(tr.optimizer, built)  # a setting changed on resume is applied, not the saved one
+            self._say_optimizer_changes(path)
         if "train" in state:
             self._load_train_state(tr, read_train(state["train"]), excluded)
+
+    def _say_optimizer_changes(self, path: str) -> None:
+        changed = settings_changed(read_saved_config(path).get("optimizer", {}), self.cfg.optimizer)
+        if changed and self.rank == 0:
+            log.warning(f"optimizer: {', '.join(changed)} since the checkpoint at {path}: applied from the next "
+                        f"step; the optimizer's moments are kept and the lr schedule continues from the step "
+                        f"reached with the new peak")
 
     @staticmethod
     def _load_train_state(tr: Saved, train: dict, excluded: set[str]) -> None:

@@ -241,6 +241,12 @@ class Checkpoint:
     exclude_from_loading: list[str] = opt([], "parts not to load: optimizer, train_state, lr_scheduler, dataloader, "
                                               "rng")
     enable_first_step_checkpoint: bool = opt(False, "also save after step 1")
+    start_fresh_if_all_damaged: bool = opt(False, "when every checkpoint in the folder is damaged, train from step "
+                                           "0 instead of refusing; the damaged ones are moved to its damaged/ "
+                                           "folder and kept")
+    accept_changed_data: bool = opt(False, "resume the saved data position although training.dataset_path's files "
+                                    "or the tokenizer changed since the checkpoint (on purpose, e.g. documents "
+                                    "appended); off: such a resume is refused")
 
 
 @dataclass
