@@ -14,8 +14,16 @@ import tempfile
 
 from tessera import architecture, config
 from tessera.checkpoint.folder import read_saved_config, resume_point
+from tessera.checkpoint.space import checkpoint_bytes, room_problem
 from tessera.config import ConfigError
-from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
+from tessera.config.sections import (
+    FLOAT8_CONVERTER as FLOAT8,
+    LOADABLE_PARTS,
+    MX_CONVERTER as MX,
+    MX_RECIPES,
+    STOP_SIGNALS,
+    mount,
+)
 from tessera.ft import check as ft_check
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
@@ -57,6 +65,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
     args = _check_resume(cfg)
+    _check_room(cfg, args)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
@@ -344,6 +353,20 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
     if bad:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
                           f"{', '.join(LOADABLE_PARTS)}")
+    if bad := set(c.save_on_signal) - set(STOP_SIGNALS):
+        raise ConfigError(f"checkpoint.save_on_signal: unknown signal(s) {sorted(bad)}; choose from "
+                          f"{', '.join(STOP_SIGNALS)}, or none")
+
+
+def _check_room(cfg: JobConfig, args) -> None:
+    """The checkpoint folder has room for one more checkpoint (the newest one's size, or weights and two Adam
+    moments in fp32): refused before any rank starts, not at the first save."""
+    if cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint:
+        root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        estimate = family(cfg.model.name).counts(args, cfg.training.seq_len).params * 4 * 3
+        if problem := room_problem(root, checkpoint_bytes(root, estimate)):
+            raise ConfigError(f"checkpoint.folder: {problem}; free some space or pick another job.dump_folder or "
+                              f"checkpoint.folder")
 
 
 def _check_pp(cfg: JobConfig, args, pp: int) -> None:
