@@ -21,18 +21,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from tessera.stopping import children
+
 PASSED_ON = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def children(parent: int | None = None) -> list[int]:
-    """The processes `parent` (this one) started: torchrun's ranks, from /proc."""
-    parent, found = parent or os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat") as fh:
-                if int(fh.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    found.append(int(entry))
-    return found
 
 
 def pass_on(signum, frame) -> None:
@@ -71,7 +62,9 @@ def main(argv: list[str]) -> int:
         else:
             print(f"tessera: rank {rank} failed with exit status {failure.exitcode}; its output says why "
                   f"(LOG_RANK={rank} shows it under run_train.sh)", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        # The first failure's status; one ended by torchrun's SIGTERM after another rank's end, that rank's.
+        statuses = [failure.exitcode] + sorted((f.exitcode for f in e.failures.values()), reverse=True)
+        return next((code for code in statuses if code > 0), 1)
     return 0
 
 

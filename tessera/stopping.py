@@ -12,6 +12,8 @@ The same collective carries a failed checkpoint save (an async one fails in the 
 the marker), so every rank stops at the same boundary with it too.
 """
 
+import contextlib
+import os
 import signal
 import threading
 
@@ -21,6 +23,24 @@ import torch.distributed as dist
 # 128 + SIGTERM: the status of a process ended by SIGTERM, which SLURM (RequeueExit, or the batch script's
 # `scontrol requeue`), Kubernetes and torchrun read as "terminated, not failed". Used whichever signal asked.
 REQUEUE_EXIT = 128 + signal.SIGTERM
+
+
+def children(parent: int | None = None) -> list[int]:
+    """The live processes `parent` (this one) started, from /proc: torchrun's ranks."""
+    parent, found = parent or os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat") as fh:
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+                if int(ppid) == parent and state != "Z":
+                    found.append(int(entry))
+    return found
+
+
+def peer_gone() -> bool:
+    """Whether a rank torchrun started beside this one has ended (torchrun then sends SIGTERM to the rest)."""
+    started = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return started > 1 and os.path.isdir("/proc") and len(children(os.getppid())) < started
 
 
 class Stopped(Exception):
@@ -46,6 +66,9 @@ class StopRequest:
         self.previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
+        if peer_gone():  # torchrun ending the other ranks after one failed: nothing to save, go at once
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.received = self.received or signum  # a repeated signal (SLURM and torchrun both send one) is the same
 
     def agree(self, save_failed: bool) -> tuple[str | None, bool]:
