@@ -95,17 +95,20 @@ def test_sigterm_to_the_launcher_only_and_again_during_the_save(tmp_path):
     checkpoint is written (slowed here): the save completes and counts, once."""
     dump = tmp_path / "run"
 
+    in_progress = []
+
     def launcher_twice(launcher, ranks):
         os.kill(launcher, signal.SIGTERM)
         deadline = time.monotonic() + 60
-        while not [p for p in (dump / "checkpoint").glob("step-*") if p.name != "step-4"]:  # the stop's save began
-            assert time.monotonic() < deadline
+        while not (saving := [p for p in (dump / "checkpoint").glob("step-*") if p.name != "step-4"]):
+            assert time.monotonic() < deadline  # the stop's save has begun
             time.sleep(0.05)
         os.kill(launcher, signal.SIGTERM)
+        in_progress.append(not (saving[0] / ".complete").exists())
     run = _launch(dump, env={"TESSERA_TEST_STEP_SECONDS": "0.3", "TESSERA_TEST_SAVE_SECONDS": "2"})
     out = _signal_at(run, 5, launcher_twice)
     assert run.returncode == REQUEUE_EXIT, out[-3000:]
-    assert out.count("tessera: stopped on SIGTERM") == 1
+    assert out.count("tessera: stopped on SIGTERM") == 1 and in_progress == [True]
     _stopped_step(out, dump)
 
 
@@ -118,6 +121,31 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     step = _stopped_step(out, dump)
     marker = json.loads((dump / f"checkpoint/step-{step}/.complete").read_text())
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(marker["files"])  # both ranks wrote that step
+
+
+def test_sigusr1_when_asked_in_one_process(tmp_path, capsys, monkeypatch):
+    """checkpoint.save_on_signal = SIGUSR1 (SLURM's `--signal=USR1@...`): the signal arrives inside step 3; the
+    step finishes, is saved, and the run exits 143; a name that is no such signal is refused before the start."""
+    from tessera import train
+
+    step_fn = train.train_step
+
+    def signalled(tr):
+        if tr.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step_fn(tr)
+    monkeypatch.setattr(train, "train_step", signalled)
+    dump = tmp_path / "run"
+    argv = merge(TINY, ["--job.dump_folder", str(dump), "--checkpoint.enable", "--training.steps", "8",
+                        "--checkpoint.save_on_signal", "SIGTERM,SIGUSR1"])
+    assert train.main(argv) == REQUEUE_EXIT
+    assert f"tessera: stopped on SIGUSR1 after step 3 of 8: checkpoint step 3 saved in {dump}/checkpoint" \
+        in capsys.readouterr().err
+    assert resume_point(str(dump / "checkpoint"))[0] == 3 and read_metrics(dump)[-1]["step"] == 3
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the loop's handlers are gone with it
+    assert train.main(merge(argv, ["--checkpoint.save_on_signal", "SIGKILL"])) == 2
+    assert "checkpoint.save_on_signal: unknown signal(s) ['SIGKILL']; choose from SIGTERM, SIGUSR1, SIGUSR2" \
+        in capsys.readouterr().err
 
 
 # ---- a full disk ---------------------------------------------------------------------------------------------
