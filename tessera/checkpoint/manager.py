@@ -227,7 +227,7 @@ class Checkpointer:
         if self.c.async_mode != "disabled" and not (last or sync):
             self.pending, self.settled = self._async_save(state, writer), threading.Event()
             self.pending.add_done_callback(
-                lambda f, p=path, s=step, done=self.settled: self._settle(f.exception(), p, s, writer, done))
+                lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, done))
         else:
             try:
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
@@ -243,10 +243,14 @@ class Checkpointer:
         if last and self.failure is None and (self.c.last_save_in_hf or self.c.last_save_model_only):
             self.export()
 
-    def _settle(self, error: BaseException | None, path: str, step: int, writer: HashingWriter,
+    def _settle(self, outcome: Future | BaseException | None, path: str, step: int, writer: HashingWriter,
                 done: threading.Event | None = None) -> None:
-        """A save's end (in the background for an async one): its marker, or its folder removed and `failure`."""
+        """A save's end (in the background for an async one, given its future): its marker, or its folder
+        removed and `failure`."""
         try:
+            error = outcome
+            if isinstance(outcome, Future):
+                error = RuntimeError("the save was cancelled") if outcome.cancelled() else outcome.exception()
             if error is None:
                 try:
                     self._finish(path, step, "full", writer.digests)
