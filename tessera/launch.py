@@ -62,9 +62,11 @@ def main(argv: list[str]) -> int:
         else:
             print(f"tessera: rank {rank} failed with exit status {failure.exitcode}; its output says why "
                   f"(LOG_RANK={rank} shows it under run_train.sh)", file=sys.stderr)
-        # The first failure's status; one ended by torchrun's SIGTERM after another rank's end, that rank's.
+        # The first failure's status; one ended by torchrun's SIGTERM after another rank's end, that rank's; ranks
+        # killed by a signal, 128 + its number, as a shell says it (SIGTERM during start-up, before the ranks
+        # handle it: 143, which requeues).
         statuses = [failure.exitcode] + sorted((f.exitcode for f in e.failures.values()), reverse=True)
-        return next((code for code in statuses if code > 0), 1)
+        return next((code for code in statuses if code > 0), 128 - failure.exitcode if failure.exitcode < 0 else 1)
     return 0
 
 

@@ -201,3 +201,32 @@ def test_no_room_for_a_checkpoint_is_refused_before_any_rank_starts(tmp_path, mo
     assert f"tessera: checkpoint.folder: '{dump}/checkpoint' has 1.0 MiB free, but one checkpoint of this run " \
            f"needs about" in err, err
     assert not dump.exists()  # refused before anything was built or created
+
+
+@pytest.mark.fast
+def test_the_launcher_reports_ranks_killed_by_a_signal_with_the_shells_status(tmp_path, monkeypatch, capsys):
+    """A rank SIGTERMed before its handler exists (during start-up) exits as 143, which requeues; the stop's
+    own status wins over a rank torchrun ended after it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tessera import launch
+
+    def failing(*codes):
+        def run(args):
+            raise ChildFailedError("tessera.train", {rank: ProcessFailure(rank, 100 + rank, code, str(tmp_path / "x"))
+                                                     for rank, code in enumerate(codes)})
+        return run
+    argv = ["--standalone", "--nproc_per_node=2", "-m", "tessera.train"]
+    monkeypatch.setenv("TESSERA_LAUNCHER", "1")  # main sets it: gone again after the test
+    handlers = {sig: signal.getsignal(sig) for sig in launch.PASSED_ON}
+    try:
+        monkeypatch.setattr(launch, "run", failing(-signal.SIGTERM, -signal.SIGTERM))
+        assert launch.main(argv) == REQUEUE_EXIT
+        assert "tessera: rank 0 was killed by SIGTERM" in capsys.readouterr().err
+        monkeypatch.setattr(launch, "run", failing(-signal.SIGTERM, REQUEUE_EXIT))
+        assert launch.main(argv) == REQUEUE_EXIT
+        monkeypatch.setattr(launch, "run", failing(-signal.SIGKILL))
+        assert launch.main(argv) == 128 + signal.SIGKILL
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
