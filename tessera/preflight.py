@@ -24,6 +24,7 @@ from tessera.config.sections import (
     STOP_SIGNALS,
     mount,
 )
+from tessera.data.tokenizer import ByteTokenizer
 from tessera.ft import check as ft_check
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
@@ -52,8 +53,9 @@ def markdown_reference() -> str:
     return config.markdown_reference(JobConfig)
 
 
-def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Check everything that can be checked without torch; returns the resolved parallel degrees."""
+def validate(cfg: JobConfig, world_size: int, training: bool = False) -> ParallelDims:
+    """Check everything that can be checked without torch; returns the resolved parallel degrees. `training`:
+    for a run that will save (its launch check and its ranks), not a plan or an estimate of it."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     if m.name not in FAMILIES:
@@ -65,7 +67,8 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
     args = _check_resume(cfg)
-    _check_room(cfg, args)
+    if training:
+        _check_room(cfg, args)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
@@ -363,6 +366,8 @@ def _check_room(cfg: JobConfig, args) -> None:
     moments in fp32): refused before any rank starts, not at the first save."""
     if cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint:
         root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        if not cfg.model.hf_assets_path and cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab:
+            args = dataclasses.replace(args, vocab_size=ByteTokenizer.vocab_size)  # the built-in one's, known now
         estimate = family(cfg.model.name).counts(args, cfg.training.seq_len).params * 4 * 3
         if problem := room_problem(root, checkpoint_bytes(root, estimate)):
             raise ConfigError(f"checkpoint.folder: {problem}; free some space or pick another job.dump_folder or "
@@ -439,7 +444,7 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        validate(parse_args(argv), world_size)
+        validate(parse_args(argv), world_size, training=True)
     except ConfigError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2

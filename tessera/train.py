@@ -291,7 +291,7 @@ def main(argv: list[str]) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
         cfg = parse_args(argv)
-        dims = validate(cfg, world_size_from_env())
+        dims = validate(cfg, world_size_from_env(), training=True)
     except ConfigError as e:
         return _fail(e, 2)
     world = init_world(dims, cfg.comm.init_timeout_seconds)
