@@ -15,8 +15,17 @@ import tempfile
 from tessera import architecture, config
 from tessera.checkpoint.folder import read_saved_config
 from tessera.checkpoint.launch_check import check_initial_load, launch_resume_point
+from tessera.checkpoint.space import checkpoint_bytes, room_problem
 from tessera.config import ConfigError
-from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
+from tessera.config.sections import (
+    FLOAT8_CONVERTER as FLOAT8,
+    LOADABLE_PARTS,
+    MX_CONVERTER as MX,
+    MX_RECIPES,
+    STOP_SIGNALS,
+    mount,
+)
+from tessera.data.tokenizer import ByteTokenizer
 from tessera.ft import check as ft_check
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
@@ -45,9 +54,10 @@ def markdown_reference() -> str:
     return config.markdown_reference(JobConfig)
 
 
-def validate(cfg: JobConfig, world_size: int, launch: bool = False) -> ParallelDims:
+def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bool = False) -> ParallelDims:
     """Check everything that can be checked without torch; returns the resolved parallel degrees. `launch`: the
-    check before ranks start, which also reads the checkpoint a run starts from against its checksums."""
+    check before ranks start, which also reads the checkpoint a run starts from against its checksums. `training`:
+    for a run that will save (its launch check and its ranks), not a plan or an estimate of it."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     if m.name not in FAMILIES:
@@ -59,6 +69,8 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False) -> ParallelD
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
     args, resume = _check_resume(cfg, launch)
+    if training:
+        _check_room(cfg, args)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
@@ -365,6 +377,22 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
     if bad:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
                           f"{', '.join(LOADABLE_PARTS)}")
+    if bad := set(c.save_on_signal) - set(STOP_SIGNALS):
+        raise ConfigError(f"checkpoint.save_on_signal: unknown signal(s) {sorted(bad)}; choose from "
+                          f"{', '.join(STOP_SIGNALS)}, or none")
+
+
+def _check_room(cfg: JobConfig, args) -> None:
+    """The checkpoint folder has room for one more checkpoint (the newest one's size, or weights and two Adam
+    moments in fp32): refused before any rank starts, not at the first save."""
+    if cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint:
+        root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        if not cfg.model.hf_assets_path and cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab:
+            args = dataclasses.replace(args, vocab_size=ByteTokenizer.vocab_size)  # the built-in one's, known now
+        estimate = family(cfg.model.name).counts(args, cfg.training.seq_len).params * 4 * 3
+        if problem := room_problem(root, checkpoint_bytes(root, estimate)):
+            raise ConfigError(f"checkpoint.folder: {problem}; free some space or pick another job.dump_folder or "
+                              f"checkpoint.folder")
 
 
 def _check_pp(cfg: JobConfig, args, pp: int) -> None:
@@ -437,7 +465,7 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        validate(parse_args(argv), world_size, launch=True)
+        validate(parse_args(argv), world_size, launch=True, training=True)
     except ConfigError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2

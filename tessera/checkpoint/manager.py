@@ -7,12 +7,14 @@ save of a run is a full checkpoint like the others; the exports it may add (mode
 go to `exports/step-N/`, which resuming never reads.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
 import warnings
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -51,6 +54,7 @@ from tessera.checkpoint.folder import (
     write_marker,
 )
 from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
+from tessera.checkpoint.space import save_failure
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
@@ -198,6 +202,9 @@ class Checkpointer:
         # Async saves run collectives from a background thread: give them their own group.
         self.pg = dist.new_group(backend="gloo") if self.distributed and self.c.async_mode != "disabled" else None
         self.pending: Future | None = None
+        self.settled = threading.Event()  # the save in flight has ended (set by its callback)
+        self.failure: str | None = None  # a save that failed, in one line (save_failure)
+        self.need_bytes = 0  # an estimate of one checkpoint's size, until one is written
         self.stall_s = 0.0  # training time lost to saving since the last report
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
@@ -228,28 +235,56 @@ class Checkpointer:
 
     def prepare(self, bytes_per_checkpoint: int) -> None:
         """Before the first step: the checkpoint folder can be written and has room for a checkpoint."""
+        self.need_bytes = bytes_per_checkpoint
         if self.c.enable:
             on_rank0(lambda: probe_writable(self.root, bytes_per_checkpoint))
 
-    def save(self, last: bool = False) -> None:
-        """A full checkpoint (synchronous at the end of the run), then, at the end, the exports asked for."""
+    def save(self, last: bool = False, sync: bool = False) -> None:
+        """A full checkpoint (synchronous at the end of the run, or when `sync`), then, at the end, the exports
+        asked for. A save that fails leaves `failure` (one line) for the step boundary to stop the run with."""
         start, step = time.perf_counter(), self.parts.progress.step
         self.wait()  # a new save never races one still in flight
         path = self._fresh_folder(os.path.join(self.root, f"step-{step}"))
         state, writer = self._state(model_only=False), HashingWriter(path)
-        if self.c.async_mode != "disabled" and not last:
-            self.pending = self._async_save(state, writer)
+        if self.c.async_mode != "disabled" and not (last or sync):
+            self.pending, self.settled = self._async_save(state, writer), threading.Event()
             self.pending.add_done_callback(
-                lambda f, p=path, s=step: f.exception() or self._finish(p, s, "full", writer.digests))
+                lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, done))
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._finish(path, step, "full", writer.digests)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+                error = None
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                error = e
+            self._settle(error, path, step, writer)
         stall = time.perf_counter() - start
         self.stall_s += stall
-        log.info(f"checkpoint step {step} {'queued' if self.pending else 'saved'} to {path} "
-                 f"(training stalled {stall:.2f}s)")
-        if last and (self.c.last_save_in_hf or self.c.last_save_model_only):
+        if self.failure is None:
+            log.info(f"checkpoint step {step} {'queued' if self.pending else 'saved'} to {path} "
+                     f"(training stalled {stall:.2f}s)")
+        if last and self.failure is None and (self.c.last_save_in_hf or self.c.last_save_model_only):
             self.export()
+
+    def _settle(self, outcome: Future | BaseException | None, path: str, step: int, writer: HashingWriter,
+                done: threading.Event | None = None) -> None:
+        """A save's end (in the background for an async one, given its future): its marker, or its folder
+        removed and `failure`."""
+        try:
+            error = outcome
+            if isinstance(outcome, Future):
+                error = RuntimeError("the save was cancelled") if outcome.cancelled() else outcome.exception()
+            if error is None:
+                try:
+                    self._finish(path, step, "full", writer.digests)
+                except OSError as e:  # the marker or the run record (rank 0): a full disk, most likely
+                    error = e
+            if error is not None:
+                if self.rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)  # every rank is done with it: DCP gathered them
+                self.failure = save_failure(step, path, self.root, error, self.need_bytes)
+        finally:
+            if done is not None:
+                done.set()
 
     def export(self) -> str:
         """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
@@ -347,8 +382,11 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
+        """Until the save in flight has ended, its marker written or its failure recorded."""
         if self.pending is not None:
-            self.pending.result()
+            with contextlib.suppress(BaseException):  # its outcome is `_settle`'s to record
+                self.pending.result()
+            self.settled.wait()
             self.pending = None
 
     # ---- load ----------------------------------------------------------------------------------------
