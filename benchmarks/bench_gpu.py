@@ -9,7 +9,7 @@ peer, in bf16, + compile, + compile + Float8 (rowwise, tensorwise); then one Qwe
     python benchmarks/bench_gpu.py --smoke    # dry run on CPU: every peer that runs there, tiny model, fp32
 
 Peers (gpu_peers.py): Tessera's trainer; a plain PyTorch loop (Tessera's model, bf16 autocast, fused AdamW,
-F.cross_entropy); TorchTitan 0.3.0's own trainer (gpu_titan.py); transformers' LlamaForCausalLM (sdpa) in the plain
+F.cross_entropy); TorchTitan 0.2.2's own trainer (gpu_titan.py); transformers' LlamaForCausalLM (sdpa) in the plain
 loop. Each run is a process of its own (no compile cache or memory carried over), stopped at its time limit.
 Runs go in order of value, so a short run still answers the main question: 3B with every peer (bf16, compile), then
 1B, then the Float8 configs, then the MoE layer. Every run's row is written to --out as soon as it ends; --resume
