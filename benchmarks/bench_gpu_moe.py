@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import COMPILE, RESULTS, child_env, make_trainer, smoke_option, tessera_argv, write_json  # noqa: E402
+from common import (  # noqa: E402, I001
+    COMPILE, RESULTS, child_env, gpu_run_options, make_trainer, smoke_option, tessera_argv, write_json,
+)
 from gpu_moe_layer import LAYERS, SMOKE_LAYER, VARIANTS, measure  # noqa: E402
 from gpu_peers import failure, median_timing, run_child  # noqa: E402
 
@@ -201,13 +203,7 @@ def main() -> None:
                    help="training step runs, model:kernel (kernel: flex or materialized)")
     p.add_argument("--n_layers", default="", help="blocks kept per model, e.g. gpt_oss=4,llama4=1 (default: "
                    "STEP_MODELS's)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens in the first)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps; tokens/s from the median one")
-    p.add_argument("--budget_s", type=float, default=420, help="stop starting runs after this many seconds")
-    p.add_argument("--run_cap_s", type=float, default=120, help="time limit of one run")
-    p.add_argument("--resume", action="store_true", help="keep the finished runs of --out, run the others")
-    p.add_argument("--out", default=str(RESULTS / "gpu_moe.json"))
-    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    gpu_run_options(p, budget_s=420, run_cap_s=120, out=RESULTS / "gpu_moe.json")
     smoke_option(p, layers="qwen3_30b_a3b", tokens=128, steps_runs="gpt_oss:flex,llama4:materialized", warmup=1,
                  steps=1, budget_s=200, run_cap_s=150)
     a = p.parse_args()
