@@ -102,3 +102,19 @@ def test_torchtitan_peer_trains_tesseras_llama3_sizes_with_the_configs_flags():
     assert "--compile.enable" not in gpu_titan.titan_flags({**run, "compile": False, "float8": None})
     assert gpu_peers.titan_refusal("compile_float8_tensorwise", "3B") is None  # 0.2.2 has tensorwise
     assert "no Llama 3 flavor" in gpu_peers.titan_refusal("bf16", "tiny")
+
+
+@pytest.mark.fast
+def test_gpu_moe_keeps_what_a_run_cut_short_measured_and_its_ratios():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu_moe
+
+    lines = [["layer", {"dim": 2048}], ["tessera_grouped", {"status": "ok", "tokens_per_s": 300.0, "peak_gib": 1.0}],
+             ["loop", {"status": "ok", "tokens_per_s": 100.0, "peak_gib": 2.0}]]
+    text = "\n".join(bench_gpu_moe.TAG + json.dumps(x) for x in lines) + "\ncompiling torchtitan_float8..."
+    cut = bench_gpu_moe.read_child(None, text, 120)  # killed at its time limit
+    assert cut["status"] == "timeout after 120s" and cut["loop"]["tokens_per_s"] == 100.0
+    line = bench_gpu_moe.layer_line("qwen3_30b_a3b", cut)
+    assert cut["tessera_grouped_over_loop"] == 3.0 and "grouped/loop 3.00x" in line
+    assert "tessera_grouped_over_torchtitan" not in cut and "torchtitan: not run" in line
+    assert bench_gpu_moe.read_child(0, text, 120)["status"] == "ok"
