@@ -3,7 +3,7 @@
 
     benchmarks/gpu_moe.sh                      # carried wheels (benchmarks/gpu_wheels.sh), then this script
     python benchmarks/bench_gpu_moe.py [--layers qwen3_30b_a3b,deepseek_v3_16b] [--tokens 16384]
-        [--steps_runs gpt_oss:flex,gpt_oss:materialized,llama4:flex,llama4:materialized] [--n_layers gpt_oss=4,...]
+        [--steps_runs gpt_oss:flex,gpt_oss:materialized,llama4:flex,llama4:materialized] [--n_layers gpt_oss=6,llama4=2]
         [--budget_s 420] [--run_cap_s 120] [--resume] [--out benchmarks/results/gpu_moe.json]
     python benchmarks/bench_gpu_moe.py --smoke  # dry run on CPU: tiny layer and debug models, fp32, no compile
 
@@ -11,11 +11,11 @@
    and DeepSeek V3 16B's (2048 wide, 64 experts, top 6, 2 shared): Tessera's grouped experts, its per-expert
    loop, TorchTitan's MoE module (0.2.2, if installed), and both grouped ones with torchao's Float8 rowwise
    grouped GEMMs. Targets: Tessera >= TorchTitan, grouped >= 3x the loop.
-2. Training steps with FlexAttention: Tessera's trainer (compiled blocks, bf16, AdamW) on GPT-OSS 20b cut to
-   `--n_layers` blocks (sliding windows of 128 + sinks, alternating with full attention) and Llama 4 Scout cut to
-   its first block(s) (chunks of 8192: the sequence is 16384), each with FlexAttention (`attend`'s CUDA path) and
-   with the materialized scores (`attention.attend` swapped for them in that run's process); tokens/s, MFU
-   (the family's FLOPs per token / the datasheet peak) and peak memory against `tessera.estimate`'s prediction.
+2. Training steps with FlexAttention: Tessera's trainer (compiled blocks, bf16, AdamW) on GPT-OSS 20b cut to its
+   first blocks (sliding windows of 128 + sinks, alternating with full attention) and Llama 4 Scout cut to its
+   first blocks (chunked attention, chunks of 8192: the sequence is 16384), each with FlexAttention (`attend`'s
+   CUDA path) and with the materialized scores (`attention.attend` swapped for them in that run's process);
+   tokens/s, MFU (the family's FLOPs per token / the datasheet peak) and peak memory against `tessera.estimate`.
 3. Gated DeltaNet: the qwen3_5 family is not on main yet; the JSON says so.
 
 Each layer and each training step is a process of its own, killed at --run_cap_s; a step that runs out of memory
@@ -40,9 +40,10 @@ from gpu_moe_layer import LAYERS, SMOKE_LAYER, VARIANTS, measure  # noqa: E402
 from gpu_peers import failure, median_timing, run_child  # noqa: E402
 
 TAG = "RESULT "  # a child's lines of JSON: [key, value]
-# name: (family, flavor, blocks kept, seq_len, local batch); 20b: 0.82B parameters a block, 1.2B in the embedding
-# and the output, 16 bytes each with AdamW and fp32 master weights: 4 blocks and activations fit 141 GB
-STEP_MODELS = {"gpt_oss": ("gpt_oss", "20b", 4, 4096, 2), "llama4": ("llama4", "17bx16e", 1, 16384, 1)}
+# name: (family, flavor, blocks kept, seq_len, local batch): as many blocks as tessera.estimate's peak keeps under
+# 100 GiB, 72% of the H200 (a margin for the estimate's error; the published vocabularies kept): GPT-OSS 20b 6
+# blocks 96.3 GiB (7: 109.4), Llama 4 Scout 2 blocks 97.5 GiB (1: 64.7)
+STEP_MODELS = {"gpt_oss": ("gpt_oss", "20b", 6, 4096, 2), "llama4": ("llama4", "17bx16e", 2, 16384, 1)}
 SMOKE_MODELS = {"gpt_oss": ("gpt_oss", "debugmodel", 0, 64, 2), "llama4": ("llama4", "debugmodel", 0, 64, 2)}
 DELTANET = "not run: the qwen3_5 family (Gated DeltaNet) is not on main yet"
 
@@ -91,6 +92,10 @@ def child_step(a) -> None:
         emit("estimate_gib", estimate(parse_args(argv), 1, "cuda").peak / 2**30)
     except ConfigError as e:
         emit("estimate_gib", f"refused: {e}")
+    except Exception as e:  # noqa: BLE001 - the run is measured all the same
+        emit("estimate_gib", f"failed: {type(e).__name__}: {str(e)[:300]}")
+    if cuda:  # the run's peak from here on
+        torch.cuda.reset_peak_memory_stats()
     if kernel == "materialized":  # the scores as a tensor: every layer's `attend` in this process
         from check_flex_gpu import materialized
         attention.attend = materialized
@@ -202,7 +207,7 @@ def main() -> None:
     p.add_argument("--steps_runs", default="gpt_oss:flex,gpt_oss:materialized,llama4:flex,llama4:materialized",
                    help="training step runs, model:kernel (kernel: flex or materialized)")
     p.add_argument("--n_layers", default="", help="blocks kept per model, e.g. gpt_oss=4,llama4=1 (default: "
-                   "STEP_MODELS's)")
+                   "STEP_MODELS's: 6 and 2)")
     gpu_run_options(p, budget_s=420, run_cap_s=120, out=RESULTS / "gpu_moe.json")
     smoke_option(p, layers="qwen3_30b_a3b", tokens=128, steps_runs="gpt_oss:flex,llama4:materialized", warmup=1,
                  steps=1, budget_s=200, run_cap_s=150)

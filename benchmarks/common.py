@@ -62,8 +62,10 @@ def gpu_run_options(p: argparse.ArgumentParser, budget_s: float, run_cap_s: floa
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment of a benchmark subprocess: finds tessera, and gets its own cold compile cache (unless set)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    """Environment of a benchmark subprocess: finds tessera (and what PYTHONPATH held: the GPU suites' carried
+    wheels), and gets its own cold compile cache (unless set)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path, **extra}
     if _COLD_CACHE:
         env.pop("TORCHINDUCTOR_CACHE_DIR")
         env.pop("TRITON_CACHE_DIR")

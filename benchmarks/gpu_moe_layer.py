@@ -56,9 +56,14 @@ def float8_ready(device: torch.device) -> str | None:
 
 
 def to_float8(layer: torch.nn.Module) -> None:
-    """torchao's Float8 rowwise grouped GEMMs for the layer's routed experts (token groups padded to 16 rows)."""
+    """torchao's Float8 rowwise grouped GEMMs for the layer's routed experts (token groups padded to 16 rows; in
+    TorchTitan's layer by its own padding, to 16 as its Float8 converter sets it)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
+
+    if type(layer).__module__.startswith("torchtitan."):
+        from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+        set_token_group_alignment_size_m(16)
 
     quantize_(layer, Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True),
               filter_fn=lambda module, fqn: module is layer.experts)
