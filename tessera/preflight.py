@@ -48,11 +48,7 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Check everything that can be checked without torch; returns the resolved parallel degrees."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
-    if m.name not in FAMILIES:
-        raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
-    if m.flavor and m.flavor not in family(m.name).flavors:
-        raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
-                          f"{', '.join(family(m.name).flavors)}")
+    architecture.check_model(cfg)
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")

@@ -193,6 +193,11 @@ def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     assert _refused(capsys, *dump, *ft_flags(closed, 0)).startswith(
         f"tessera: fault_tolerance.lighthouse: no lighthouse answers at {closed} (")
+    assert _refused(capsys, *dump, *ft_flags("not a url", 0)) == (
+        "tessera: fault_tolerance.lighthouse: 'not a url' is not a lighthouse address (it holds a space or control "
+        "character); give http://HOST:PORT (or HOST:PORT), e.g. http://lighthouse-host:29510")
+    assert "'ftp://127.0.0.1:29510' is not a lighthouse address (scheme 'ftp': the lighthouse speaks http)" in \
+        _refused(capsys, *dump, *ft_flags("ftp://127.0.0.1:29510", 0))
     assert _refused(capsys, *dump, *ft_flags(lighthouse, 2)) == ("tessera: fault_tolerance.replica_id: 2 is not below "
                                                                  "group_size 2; number the replica groups 0 .. 1")
     assert _refused(capsys, *dump, *ft_flags(lighthouse, 0, min_size=3)).startswith(

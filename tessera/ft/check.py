@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from tessera.config.manager import ConfigError
@@ -84,6 +85,7 @@ def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
     if not lighthouse_address(cfg):
         raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the lighthouse's "
                           f"address (http://HOST:PORT; scripts/ft_local.sh starts one)")
+    _check_address(lighthouse_address(cfg), cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""))
     import importlib.util
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install --no-deps "
@@ -143,6 +145,25 @@ def release() -> None:
     """Give up the replica ids this process holds (its group is done)."""
     while _held:
         os.close(_held.popitem()[1])
+
+
+def _check_address(address: str, given: str) -> None:
+    """An http(s)://HOST[:PORT] address (torchft's lighthouse speaks gRPC over HTTP/2)."""
+    try:
+        url = urllib.parse.urlsplit(address)
+        url.port  # noqa: B018 (parses it: a port that is not a number or out of range raises)
+        why = ""
+    except ValueError as e:
+        url, why = None, str(e)
+    if any(c.isspace() or not c.isprintable() for c in address):
+        why = "it holds a space or control character"
+    elif url is not None and url.scheme not in ("http", "https"):
+        why = f"scheme '{url.scheme}': the lighthouse speaks http"
+    elif url is not None and not url.hostname:
+        why = "no host name"
+    if why:
+        raise ConfigError(f"fault_tolerance.lighthouse: {given!r} is not a lighthouse address ({why}); give "
+                          f"http://HOST:PORT (or HOST:PORT), e.g. http://lighthouse-host:29510")
 
 
 def _probe_lighthouse(cfg: JobConfig) -> None:
