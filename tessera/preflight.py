@@ -396,8 +396,9 @@ def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tessera.config [--world-size N] [flags]`: check only, for launch scripts (no torch import): exit
-    status 0 when the config is valid, 2 with one line on stderr when not."""
+    """`python -m tessera.config [--world-size N] [--errors-only] [flags]`: check only, for launch scripts (no torch
+    import): exit status 0 when the config is valid, 2 with one line on stderr when not. --errors-only: no warnings
+    (a launch script's pre-check: rank 0 says them once the run starts)."""
     world_size = 1
     if argv[:1] == ["--world-size"]:
         if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
@@ -405,6 +406,9 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         world_size, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--errors-only"]:
+        logging.getLogger("tessera").setLevel(logging.ERROR)
+        argv = argv[1:]
     if argv == ["--markdown"]:
         print(markdown_reference())
         return 0

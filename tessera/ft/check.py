@@ -8,8 +8,10 @@ checkpoints need one): each group's logs, metrics.jsonl and report in `replica_<
 """
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 import socket
 import urllib.error
 import urllib.parse
@@ -23,7 +25,8 @@ LOCK, FINGERPRINT = ".lock", "ft-config.json"
 # Settings that may differ between groups: where each writes, how it logs, and which group it is. Everything else,
 # the layout inside a group included (gradients are averaged shard by shard), must be the same in every group.
 _PER_GROUP = ("job.", "metrics.", "profiling.", "comm.", "checkpoint.", "generate.", "validation.",
-              "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest")
+              "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest",
+              "fault_tolerance.job_name")
 _held: dict[str, int] = {}  # lock path -> open descriptor, for the life of this process
 
 
@@ -86,6 +89,9 @@ def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
         raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the lighthouse's "
                           f"address (http://HOST:PORT; scripts/ft_local.sh starts one)")
     _check_address(lighthouse_address(cfg), cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""))
+    if not re.fullmatch(r"[A-Za-z0-9._-]*", f.job_name):
+        raise ConfigError(f"fault_tolerance.job_name: {f.job_name!r} holds other characters than letters, digits, "
+                          f"'.', '_' and '-'; it becomes part of torchft's replica ids")
     import importlib.util
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install --no-deps "
@@ -108,6 +114,13 @@ def fingerprint(cfg: JobConfig, world_size: int) -> dict[str, object]:
         if not key.startswith(_PER_GROUP):
             out[key] = getattr(owner, f.name)
     return json.loads(json.dumps(out, default=str))
+
+
+def identity(cfg: JobConfig, world_size: int) -> tuple[str, str]:
+    """(job, settings): the job's name (fault_tolerance.job_name, else `cfg-` and the settings' first 8 hex
+    digits) and a digest of what every group must agree on (fingerprint). One job's groups have both equal."""
+    settings = hashlib.sha256(json.dumps(fingerprint(cfg, world_size), sort_keys=True).encode()).hexdigest()[:16]
+    return cfg.fault_tolerance.job_name or f"cfg-{settings[:8]}", settings
 
 
 def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
