@@ -16,7 +16,7 @@ for arg in "$@"; do
 done
 config_flag "${CONFIG_FILE:-$TESSERA_ROOT/configs/llama3_debug.toml}" "$@"
 # Check the config in a second, before any rank starts: one clear line and exit 2 when it is wrong.
-"$PYTHON" -m tessera.config --world-size "$NGPU" "${CONFIG_FLAG[@]}" "$@" || exit $?
+"$PYTHON" -m tessera.config --world-size "$NGPU" --errors-only "${CONFIG_FLAG[@]}" "$@" || exit $?
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmark suite in one command (~10 minutes on 2 cores), then a summary of every ratio with its target.
 # JSON lands in benchmarks/results/ (or $OUT): trainer.json, features.json, cp.json, data.json, prepared.json,
-# moe.json, summary.json.
+# moe.json, optim.json, summary.json; the table of docs/benchmarks.md is rewritten from them (summary.py --docs).
 # The sizes below trade time for noise; each script's --help lists its options.
 #   benchmarks/run_all.sh --smoke   (or SMOKE=1): every script with --smoke (tiny sizes, a few steps), JSON in a
 #   temporary folder unless $OUT is set: checks that the suite runs (about a minute), measures nothing.
@@ -12,13 +12,11 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; fi
 if [[ "${SMOKE:-0}" == 1 ]]; then
     OUT=${OUT:-$(mktemp -d -t tessera-smoke-XXXXXX)}
-    for script in trainer features cp data prepared moe; do
+    for script in trainer features cp data prepared moe optim; do
         echo "== bench_$script.py --smoke"
         $PY benchmarks/bench_$script.py --smoke --out "$OUT/$script.json"
     done
-    echo; echo "== Muon vs AdamW: loss after the same tokens (each at its best lr of a grid), optimizer step at FSDP 2 and 4"
-$PY benchmarks/bench_optim.py --out "$OUT/optim.json"
-$PY benchmarks/summary.py --results "$OUT"
+    $PY benchmarks/summary.py --results "$OUT"
     exit
 fi
 OUT=${OUT:-benchmarks/results}
@@ -40,4 +38,4 @@ echo; echo "== mixture of experts: grouped GEMMs vs loop, EP dispatch share at E
 $PY benchmarks/bench_moe.py --out "$OUT/moe.json"
 echo; echo "== Muon vs AdamW: loss after the same tokens (each at its best lr of a grid), optimizer step at FSDP 2 and 4"
 $PY benchmarks/bench_optim.py --out "$OUT/optim.json"
-$PY benchmarks/summary.py --results "$OUT"
+$PY benchmarks/summary.py --results "$OUT" --docs docs/benchmarks.md  # its table: these figures

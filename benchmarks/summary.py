@@ -1,16 +1,22 @@
 """Every ratio the CPU suite measured, with its target, from the JSON files of one run_all.sh run.
 
-    python benchmarks/summary.py [--results benchmarks/results]
+    python benchmarks/summary.py [--results benchmarks/results] [--docs docs/benchmarks.md]
 
 Rows whose file or key is missing (a benchmark not run) are left out. `ok` is blank where the issue sets no
-target: the number is reported, with what an ideal value would be. Also written to summary.json.
+target: the number is reported, with what an ideal value would be. Also written to summary.json. --docs: the
+table between the page's BEGIN and END lines is replaced by these rows, dated by the results (run_all.sh does it
+after a full run; a smoke run's numbers are refused).
 """
 
 import argparse
+import datetime
 import json
+import os
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BEGIN, END = "<!-- benchmarks/summary.py --docs: begin -->", "<!-- benchmarks/summary.py --docs: end -->"
 
 
 def get(doc: dict, path: str):
@@ -89,14 +95,43 @@ def rows(t: dict, f: dict, c: dict, d: dict, m: dict, p: dict | None = None) -> 
     ]
 
 
+def markdown(table: list[dict], fmts: dict[str, str], measured: float) -> str:
+    """The docs' table of a run's rows, dated by its results files."""
+    day = datetime.datetime.fromtimestamp(measured, datetime.timezone.utc).strftime("%Y-%m-%d")
+    lines = [f"CPU figures of {day} ({os.cpu_count()} cores; written by `benchmarks/summary.py --docs` from that "
+             f"`benchmarks/run_all.sh` run's results, not by hand):", "", "| measure | value | target | ok |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {r['measure']} | {r['value']:{fmts[r['measure']]}} | {r['target']} | {r['ok']} |" for r in table]
+    return "\n".join(lines)
+
+
+def refuse(message: str) -> None:
+    print(f"summary.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def write_docs(page: Path, text: str) -> None:
+    """`text` in place of what lies between the page's BEGIN and END lines."""
+    doc = page.read_text()
+    if BEGIN not in doc or END not in doc:
+        refuse(f"--docs: {page} has no '{BEGIN}' ... '{END}' lines around its table")
+    head, rest = doc.split(BEGIN, 1)
+    page.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    print(f"  -> {page}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--docs", type=Path, help="a page whose results table to regenerate from these results")
     a = p.parse_args()
-    docs = [json.loads(path.read_text()) if path.exists() else {}
-            for path in (Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json",
-                                                      "moe.json", "prepared.json"))]
-    table, smoke = [], any(doc.get("smoke") for doc in docs)
+    paths = [Path(a.results, n) for n in ("trainer.json", "features.json", "cp.json", "data.json", "moe.json",
+                                          "prepared.json")]
+    docs = [json.loads(path.read_text()) if path.exists() else {} for path in paths]
+    table, fmts, smoke = [], {}, any(doc.get("smoke") for doc in docs)
+    if a.docs and (smoke or not any(docs)):
+        refuse(f"--docs: {'a smoke run measures nothing' if smoke else 'no results'} in {a.results}; run "
+               f"benchmarks/run_all.sh (no --smoke) first")
     if smoke:
         print("\nsmoke run (--smoke: tiny sizes, a few steps): the numbers mean nothing, no target is judged")
     print(f"\n{'measure':<46} {'value':>9}  {'target':<22} ok")
@@ -105,9 +140,12 @@ def main() -> None:
             continue
         ok = "" if check is None or smoke else ("yes" if check(value) else "NO")
         table.append({"measure": what, "value": value, "target": target, "ok": ok})
+        fmts[what] = fmt
         print(f"{what:<46} {value:>9{fmt}}  {target:<22} {ok}")
     Path(a.results, "summary.json").write_text(json.dumps(table, indent=2))
     print(f"  -> {Path(a.results, 'summary.json')}")
+    if a.docs:
+        write_docs(a.docs, markdown(table, fmts, max(path.stat().st_mtime for path in paths if path.exists())))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ if [ ! -x "$TESSERA_VENV/bin/python" ] || [ "$(cat "$_stamp" 2>/dev/null)" != "$
   _pins="$TESSERA_VENV/.constraints.txt"
   cp "$TESSERA_ROOT/constraints.txt" "$_pins"
   _torch_site="$("$_base" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null || true)"
-  if [ -n "$_torch_site" ] && [ "$_torch_site" != "$TESSERA_VENV"/* ]; then
-    _ver="$("$_base" -c 'import torch; print(torch.__version__)')"
+  case "$_torch_site" in "" | "$TESSERA_VENV"/*) _reuse="" ;; *) _reuse=1 ;; esac
+  if [ -n "$_reuse" ]; then
+    _ver="$("$_base" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
     echo "tessera: reusing torch $_ver from $_torch_site" >&2
     _site="$("$TESSERA_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$_torch_site" > "$_site/zz-active-env-torch.pth"

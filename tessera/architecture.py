@@ -13,6 +13,16 @@ from tessera.config.sections import JobConfig
 DEFAULT_FLAVOR = "debugmodel"
 
 
+def check_model(cfg: JobConfig) -> None:
+    """model.name is a family and model.flavor (when given) one of its flavors."""
+    m = cfg.model
+    if m.name not in models.FAMILIES:
+        raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(models.FAMILIES)}")
+    if m.flavor and m.flavor not in models.family(m.name).flavors:
+        raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
+                          f"{', '.join(models.family(m.name).flavors)}")
+
+
 def asked_args(cfg: JobConfig, vocab_size: int | None):
     """The args of `model.flavor` (None when the flavor is left empty), with the run's sequence length and,
     for the flavors that take it, the tokenizer's vocabulary (kept as the table's when not known yet)."""

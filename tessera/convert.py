@@ -4,6 +4,8 @@
     python -m tessera.convert hf-to-dcp   HF_DIR STEP_DIR  [--model.name N] [--model.flavor F] [--dtype bfloat16]
     python -m tessera.convert dcp-to-torch STEP_DIR OUT.pt
 
+The destination must be new or empty; --overwrite replaces it whole, once the conversion has succeeded.
+
 The architecture is what the source records: STEP_DIR/model.json (older checkpoints: the flavor in their
 config.toml, flavors that take the tokenizer's vocab taking the embedding rows), or HF_DIR/config.json. A
 --model.flavor that differs from it is refused, naming the fields; hf-to-dcp writes model.json beside the
@@ -13,7 +15,9 @@ weights, so training resumes exactly that architecture.
 import argparse
 import dataclasses
 import re
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -38,10 +42,7 @@ def _config(src: Path | None, opts: argparse.Namespace):
         if getattr(opts, key) is not None:
             argv += [f"--{key}", getattr(opts, key)]
     cfg = parse_args(argv)
-    flavors = models.family(cfg.model.name).flavors
-    if cfg.model.flavor and cfg.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor: unknown {cfg.model.name} flavor '{cfg.model.flavor}'; one of "
-                          f"{', '.join(flavors)}")
+    architecture.check_model(cfg)
     return cfg
 
 
@@ -123,6 +124,41 @@ def dcp_to_torch(src: Path, dst: Path, opts) -> None:
     dcp_to_torch_save(str(src), str(dst))
 
 
+def _check_destination(src: Path, dst: Path, mode: str, overwrite: bool) -> None:
+    """Before any work: dst can be written (a folder, or for dcp-to-torch a file), and holds nothing unless
+    --overwrite asks to replace it."""
+    kind = "file" if mode == "dcp-to-torch" else "folder"
+    for parent in dst.parents:
+        if parent.exists() and not parent.is_dir():
+            raise HFError(f"'{parent}' is a file, so '{dst}' cannot be created; give a {kind} path under a folder")
+    if kind == "folder" and dst.exists() and not dst.is_dir():
+        raise HFError(f"'{dst}' is a file; {mode} writes a folder: give a new or empty folder's path")
+    if kind == "file" and dst.is_dir():
+        raise HFError(f"'{dst}' is a folder; dcp-to-torch writes one file: give its path (e.g. {dst / 'model.pt'})")
+    if dst.exists() and (dst.is_file() or any(dst.iterdir())):
+        if not overwrite:
+            raise HFError(f"'{dst}' already exists{' and is not empty' if dst.is_dir() else ''}; give a new or "
+                          f"empty {kind}, or --overwrite to replace it whole")
+        if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+            raise HFError(f"--overwrite: '{dst}' holds the source '{src}'; write somewhere else")
+
+
+def _write_then_replace(run, src: Path, dst: Path, opts) -> None:
+    """Convert into a temporary sibling of dst, then put it in dst's place (replacing what --overwrite allowed):
+    a failed or interrupted conversion leaves dst as it was."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
+    try:
+        run(src, staging / dst.name, opts)  # the same name: hf-to-dcp reads the step from it
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        (staging / dst.name).rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tessera.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model.name", default=None)
     p.add_argument("--model.flavor", default=None)
     p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dst whole (after the conversion succeeded); refused otherwise")
     opts = p.parse_args(argv)
     opts.dtype = DTYPES.get(opts.dtype)
     if not opts.src.exists():
         p.exit(2, f"{p.prog}: error: no such file or folder '{opts.src}'\n")
     run = {"dcp-to-hf": dcp_to_hf, "hf-to-dcp": hf_to_dcp, "dcp-to-torch": dcp_to_torch}[opts.mode]
     try:
-        run(opts.src, opts.dst, opts)
+        _check_destination(opts.src, opts.dst, opts.mode, opts.overwrite)
+        _write_then_replace(run, opts.src, opts.dst, opts)
     except (HFError, ConfigError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    except OSError as e:  # what the file system refuses (permissions, a full disk): dst is left as it was
+        p.exit(2, f"{p.prog}: error: cannot write '{opts.dst}': {e.strerror or e}\n")
     print(f"wrote {opts.dst}")
     return 0
 

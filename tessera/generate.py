@@ -15,6 +15,8 @@ import importlib
 import json
 import logging
 import sys
+from collections.abc import Collection
+from pathlib import Path
 
 import torch
 
@@ -22,7 +24,7 @@ from tessera import models
 from tessera.checkpoint.folder import read_model_record
 from tessera.checkpoint.hf import HFError
 from tessera.config import ConfigError
-from tessera.preflight import parse_args
+from tessera.preflight import help_text, parse_args
 from tessera.pretrained import DEFAULT_MAX_SEQ_LEN, checkpoint_folder, from_pretrained, hf_family, is_hf, pick_device
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "from_pretrained", "generate", "hf_family", "is_hf", "main"]
@@ -47,10 +49,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None, seed: int = 0,
+             top_k: int = 0, top_p: float = 1.0, eos_id: int | Collection[int] | None = None, seed: int = 0,
              use_cache: bool = True) -> list[int]:
-    """The new token ids after `prompt_ids` (stopping after `eos_id`). Without the cache every step recomputes
-    the whole sequence: the reference the cached path is tested against."""
+    """The new token ids after `prompt_ids` (stopping after `eos_id`, or any of several). Without the cache every
+    step recomputes the whole sequence: the reference the cached path is tested against."""
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     weight = next(model.parameters())
     gen = torch.Generator(device=weight.device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], device=weight.device)
@@ -60,7 +63,7 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
     for _ in range(max_new_tokens):
         token = _sample(logits, temperature, top_k, top_p, gen)
         out.append(token)
-        if token == eos_id or len(out) == max_new_tokens:
+        if token in stop or len(out) == max_new_tokens:
             break
         ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
         logits = model(ids[:, -1:], cache)[0, -1] if use_cache else model(ids)[0, -1]
@@ -74,6 +77,20 @@ def _prompt(g, tokenizer) -> list[int]:
         except ValueError:
             raise ConfigError(f"generate.prompt_ids: {','.join(g.prompt_ids)} are not all integers") from None
     return [tokenizer.bos_id, *tokenizer.encode(g.prompt)]
+
+
+def _stop_ids(source: str, hf: bool, tokenizer) -> set[int]:
+    """What ends a sample: a Hugging Face folder's own eos_token_id (an id or a list; generation_config.json, else
+    config.json), as transformers' generate() stops; else the tokenizer's EOS."""
+    if is_hf(source, hf or None):
+        for name in ("generation_config.json", "config.json"):
+            try:
+                eos = json.loads((Path(source) / name).read_text()).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if eos is not None:
+                return {eos} if isinstance(eos, int) else set(eos)
+    return {tokenizer.eos_id}
 
 
 def _family_generate(source: str, hf: bool):
@@ -95,6 +112,10 @@ def _family_generate(source: str, hf: bool):
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        options = help_text().partition("\n\n")[2]  # less the training command's usage line
+        print(f"{__doc__.strip()}\n\nOptions: [generate], and [model] and [checkpoint] for what to load.\n\n{options}")
+        return 0
     try:
         cfg = parse_args(argv)
         g, c = cfg.generate, cfg.checkpoint
@@ -112,7 +133,8 @@ def main(argv: list[str]) -> int:
                               f"({model.args.vocab_size})")
         device = next(model.parameters()).device  # the RoPE table for every position asked, however many
         model.init_buffers(device, torch.arange(len(prompt) + g.max_new_tokens, device=device))
-        out = generate(model, prompt, g.max_new_tokens, g.temperature, g.top_k, g.top_p, tokenizer.eos_id, g.seed)
+        stop = set() if g.ignore_eos else _stop_ids(source, c.initial_load_in_hf, tokenizer)
+        out = generate(model, prompt, g.max_new_tokens, g.temperature, g.top_k, g.top_p, stop, g.seed)
     except (ConfigError, HFError) as e:
         print(f"tessera.generate: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import sys
 
-from tessera import models
+from tessera import architecture, models
 from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
@@ -145,7 +145,6 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
          global_batch: int = 0) -> tuple[list[Candidate], int]:
     """(the best `top` candidates that fit, best first; the estimates run)."""
     fam = models.family(base.model.name)
-    from tessera import architecture
     args = architecture.resolve(base, None, None)
     counts = fam.counts(args, base.training.seq_len)
     limit, ranked = HEADROOM * memory_gib * GIB, []
@@ -261,6 +260,7 @@ def main(argv: list[str]) -> int:
         if not values["gpus"]:
             raise ConfigError("--gpus: required; give the cluster's GPU count (nodes x gpus_per_node)")
         cfg = parse_args(rest)
+        architecture.check_model(cfg)
         if values["seq_len"]:
             cfg.training.seq_len = values["seq_len"]
         if cfg.model.flavor == "":

@@ -60,11 +60,7 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bo
     for a run that will save (its launch check and its ranks), not a plan or an estimate of it."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
-    if m.name not in FAMILIES:
-        raise ConfigError(f"model.name: unknown family '{m.name}'; choose one of {', '.join(FAMILIES)}")
-    if m.flavor and m.flavor not in family(m.name).flavors:
-        raise ConfigError(f"model.flavor: '{m.flavor}' is not a {m.name} flavor; choose one of "
-                          f"{', '.join(family(m.name).flavors)}")
+    architecture.check_model(cfg)
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
@@ -449,8 +445,9 @@ def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tessera.config [--world-size N] [flags]`: check only, for launch scripts (no torch import): exit
-    status 0 when the config is valid, 2 with one line on stderr when not."""
+    """`python -m tessera.config [--world-size N] [--errors-only] [flags]`: check only, for launch scripts (no torch
+    import): exit status 0 when the config is valid, 2 with one line on stderr when not. --errors-only: no warnings
+    (a launch script's pre-check: rank 0 says them once the run starts)."""
     world_size = 1
     if argv[:1] == ["--world-size"]:
         if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
@@ -458,6 +455,9 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         world_size, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--errors-only"]:
+        logging.getLogger("tessera").setLevel(logging.ERROR)
+        argv = argv[1:]
     if argv == ["--markdown"]:
         print(markdown_reference())
         return 0

@@ -43,6 +43,38 @@ def test_summary_of_a_smoke_run_judges_no_target(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())[0]["ok"] == "NO"
 
 
+def test_run_all_smoke_runs_every_benchmark_in_smoke_size(tmp_path):
+    """run_all.sh --smoke hands --smoke to every benchmark it runs (a stand-in python records the calls)."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    fake.chmod(0o755)
+    subprocess.run([str(ROOT / "benchmarks/run_all.sh"), "--smoke"], env={**os.environ, "PYTHON": str(fake),
+                   "OUT": str(tmp_path)}, check=True, capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    benches = [c for c in calls if "/bench_" in c]
+    assert {c.split()[0].rsplit("/", 1)[1] for c in benches} >= {"bench_trainer.py", "bench_optim.py"}
+    assert all("--smoke" in c.split() for c in benches), benches
+    assert not any("--docs" in c for c in calls)
+
+
+def test_summary_docs_table_is_regenerated_from_the_results(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# B\n\nintro\n<!-- benchmarks/summary.py --docs: begin -->\n| old | 0.75 |\n"
+                    "<!-- benchmarks/summary.py --docs: end -->\n\nafter\n")
+    (tmp_path / "trainer.json").write_text(json.dumps({"smoke": True, "fsdp": {"scaling_efficiency": 0.5}}))
+    summary = [sys.executable, str(ROOT / "benchmarks/summary.py"), "--results", str(tmp_path), "--docs", str(page)]
+    refused = subprocess.run(summary, capture_output=True, text=True)
+    assert refused.returncode == 2 and "a smoke run measures nothing" in refused.stderr
+    (tmp_path / "trainer.json").write_text(json.dumps({"fsdp": {"scaling_efficiency": 0.912}}))
+    subprocess.run(summary, capture_output=True, text=True, check=True)
+    text = page.read_text()
+    assert text.startswith("# B\n\nintro\n<!-- benchmarks/summary.py --docs: begin -->\nCPU figures of ")
+    assert "| FSDP 2 ranks / (2 x 1 rank), 1 thread | 0.912 | report (1.0 linear) |  |" in text
+    assert "| old |" not in text and text.endswith("<!-- benchmarks/summary.py --docs: end -->\n\nafter\n")
+    shipped = (ROOT / "docs/benchmarks.md").read_text()
+    assert "<!-- benchmarks/summary.py --docs: begin -->" in shipped and "summary.py --docs: end -->" in shipped
+
+
 def _gpu_suite():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_gpu

@@ -308,6 +308,23 @@ def test_each_run_says_each_skip_once(tmp_path, skipped):
                                                              "skipping checkpoint step 4"], (run, skipped)
 
 
+@pytest.mark.fast
+def test_a_corrupt_marker_is_called_corrupt(tmp_path, skipped):
+    from tessera.checkpoint.folder import damage, write_marker
+    from tessera.checkpoint.manager import find_resume
+
+    root = tmp_path / "checkpoint"
+    for step in (2, 3):
+        (root / f"step-{step}").mkdir(parents=True)
+        (root / f"step-{step}/shard").write_bytes(bytes(range(256)))
+        write_marker(str(root / f"step-{step}"), step, "full")
+    (root / "step-3/.complete").write_text('{"step": 3, "files": {"sha')  # cut short
+    assert find_resume(parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))[0] == 2
+    assert skipped == ["skipping checkpoint step 3 (its .complete marker is corrupt (not the JSON record Tessera "
+                       "writes), so its files cannot be checked); falling back to an earlier one"]
+    assert "is damaged: its .complete marker is corrupt" in damage(str(root / "step-3"))  # not taken as unmarked
+
+
 def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
     for mode in ("disabled", "async"):
         run_train(["--job.dump_folder", str(tmp_path / mode), *CKPT, "--checkpoint.async_mode", mode,

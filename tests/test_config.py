@@ -237,6 +237,29 @@ BAD = [
     ("missing_value", ["--training.steps"], 1, ["training.steps", "missing value"], True),
 ]
 
+
+@pytest.mark.fast
+def test_launch_precheck_leaves_warnings_to_rank_0(tmp_path):
+    """run_train.sh and the SLURM scripts pre-check with --errors-only: a warning (here: a resume reading other
+    documents) is said once, by rank 0, not also by the pre-check."""
+    from tessera.checkpoint.folder import write_marker
+
+    step = tmp_path / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"x" * 64)
+    saved = parse_args([*TINY, "--training.dataset", "files", "--training.dataset_path", str(tmp_path / "old.txt")])
+    (step / "config.toml").write_text(to_toml(saved))
+    write_marker(str(step), 2, "full")
+    (tmp_path / "new.txt").write_text("some words " * 200)
+    args = ["--job.dump_folder", str(tmp_path), "--checkpoint.enable", *merge(TINY, ["--training.steps", "4"]),
+            "--training.dataset", "files", "--training.dataset_path", str(tmp_path / "new.txt")]
+    assert "training.dataset_path: " in config_cli("--world-size", "1", *args).stderr
+    quiet = config_cli("--world-size", "1", "--errors-only", *args)
+    assert (quiet.returncode, quiet.stderr) == (0, ""), quiet.stderr
+    for script in ("run_train.sh", "multinode_trainer.slurm", "ft_trainer.slurm"):
+        assert "--errors-only" in (ROOT / script).read_text(), script
+
+
 # Enough to finish in a second should a check ever let the bad config through (the test then fails on the dump).
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "1", "--training.local_batch_size",
         "2", "--lr_scheduler.warmup_steps", "0"]

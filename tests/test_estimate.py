@@ -232,6 +232,17 @@ def test_plan_for_8b_on_8_gpus_of_80_gib(capsys):
         assert len(lines) == 1 and message in lines[0], (args, lines)
 
 
+@pytest.mark.fast
+def test_plan_refuses_unknown_model_in_one_line(capsys):
+    from tessera.plan import main
+
+    for args, message in [(["--model.flavor", "9B"], "model.flavor: '9B' is not a llama3 flavor; choose one of "),
+                          (["--model.name", "llama9", "--model.flavor", "8B"], "'llama9' is not one of llama3")]:
+        assert main(["--gpus", "8", *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, lines)
+
+
 # Shipped layouts kept for a published recipe although plan ranks another faster: their comment says so, with both
 # layouts' predicted peak and tokens/s.
 CONVENTION = {"llama3_8b.toml": "TorchTitan", "llama3_70b.toml": "TorchTitan", "llama3_405b.toml": "TorchTitan"}

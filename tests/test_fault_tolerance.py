@@ -14,6 +14,7 @@ from tessera.ft import local
 from tessera.ft.local import kill, wait_for
 from tests.launch import TINY, merge, read_metrics, run_dist
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once, when torchft is first imported
 pytest.importorskip("torchft")
 
 STEPS = 6
@@ -25,6 +26,14 @@ def lighthouse():
     server, address = local.start_lighthouse()
     yield address
     server.shutdown()
+
+
+def test_lighthouse_keeps_quiet(capfd):
+    """The lighthouse logs each quorum at INFO: only its warnings reach the test output."""
+    server, _ = local.start_lighthouse()
+    time.sleep(0.2)
+    server.shutdown()
+    assert "[INFO]" not in capfd.readouterr().err
 
 
 def ft_flags(address: str, replica_id: int, group_size: int = 2, min_size: int = 1) -> list[str]:
@@ -175,6 +184,30 @@ def test_whole_job_restart_resumes_the_checkpoint_exactly(tmp_path, lighthouse):
                  reference[i][r["step"]]["ft/state_digest"])
 
 
+def test_two_jobs_on_one_lighthouse_do_not_mix(tmp_path, lighthouse):
+    """Job A trains alone; job B (another seed, its own folder, also replica 0 of 2) joins the same lighthouse: B is
+    refused in one line before it copies anything from A; A commits only steps whose quorum is itself, and goes on."""
+    args = ["--training.steps", "1000"]
+    job_a = start_single(tmp_path / "a", *args, *ft_flags(lighthouse, 0), "--training.seed", "1")
+    job_b = job_a
+    try:
+        wait_for("job A's first steps", lambda: len(rows(tmp_path / "a", 0)) >= 2, [job_a])
+        job_b = start_single(tmp_path / "b", *args, *ft_flags(lighthouse, 0), "--training.seed", "2", delay=0.0)
+        job_b.wait(timeout=120)
+        after_b = len(rows(tmp_path / "a", 0))
+        wait_for("job A goes on", lambda: len(rows(tmp_path / "a", 0)) >= after_b + 3, [job_a])
+    finally:
+        for proc in (job_a, job_b):
+            if proc.poll() is None:
+                kill(proc)
+    out_b = job_b.log.read_text()
+    assert job_b.returncode == 2, out_b[-3000:]
+    assert "tessera: fault_tolerance: the live replica group this group would recover from runs job 'cfg-" in out_b
+    assert "recovered step" not in out_b and not rows(tmp_path / "b", 0)
+    a = rows(tmp_path / "a", 0)
+    assert [r["step"] for r in a] == list(range(1, len(a) + 1)) and {r["ft/quorum"] for r in a} == {1}
+
+
 def _refused(capsys, *args: str) -> str:
     from tessera.train import main
 
@@ -193,6 +226,11 @@ def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     assert _refused(capsys, *dump, *ft_flags(closed, 0)).startswith(
         f"tessera: fault_tolerance.lighthouse: no lighthouse answers at {closed} (")
+    assert _refused(capsys, *dump, *ft_flags("not a url", 0)) == (
+        "tessera: fault_tolerance.lighthouse: 'not a url' is not a lighthouse address (it holds a space or control "
+        "character); give http://HOST:PORT (or HOST:PORT), e.g. http://lighthouse-host:29510")
+    assert "'ftp://127.0.0.1:29510' is not a lighthouse address (scheme 'ftp': the lighthouse speaks http)" in \
+        _refused(capsys, *dump, *ft_flags("ftp://127.0.0.1:29510", 0))
     assert _refused(capsys, *dump, *ft_flags(lighthouse, 2)) == ("tessera: fault_tolerance.replica_id: 2 is not below "
                                                                  "group_size 2; number the replica groups 0 .. 1")
     assert _refused(capsys, *dump, *ft_flags(lighthouse, 0, min_size=3)).startswith(

@@ -81,3 +81,28 @@ def test_cli_reads_a_tessera_checkpoint(tmp_path, capsys):
                  "4", "--generate.seed", "1"]) == 0
     assert main(["--job.dump_folder", str(tmp_path / "nothing_here")]) == 2
     assert "no complete checkpoint in" in capsys.readouterr().err
+
+
+def test_hf_folder_stops_at_its_own_eos_and_cli_help(tmp_path, capsys):
+    """A Hugging Face folder without tokenizer files stops after its eos_token_id (generation_config.json, else
+    config.json), not the byte tokenizer's 257; generate.ignore_eos samples on. --help prints the options."""
+    _hf_model("llama", tmp_path)
+    argv = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path),
+            "--generate.prompt_ids", ",".join(map(str, PROMPT)), "--generate.max_new_tokens", "8",
+            "--generate.temperature", "0", "--generate.json"]
+
+    def sample(*extra: str) -> list[int]:
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["output_ids"]
+
+    full = sample()
+    assert len(full) == 8
+    eos = full[2]
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    assert sample() == full[:full.index(eos) + 1]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [full[1], 999]}))
+    assert sample() == full[:full.index(full[1]) + 1]
+    assert sample("--generate.ignore_eos") == full
+    assert main(["--help"]) == 0
+    assert "--generate.ignore_eos" in capsys.readouterr().out

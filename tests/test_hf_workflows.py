@@ -91,12 +91,30 @@ def test_convert_cli_bad_input(tmp_path, capsys):
     _tessera_checkpoint(ckpt, _ours(_args()))
     msg = error("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--model.flavor", "debugmodel")
     assert "written by flavor 'tiny', not 'debugmodel'" in msg
-    assert "unknown llama3 flavor 'huge'" in error("dcp-to-hf", str(ckpt), str(tmp_path / "o"), "--model.flavor=huge")
+    assert "'huge' is not a llama3 flavor" in error("dcp-to-hf", str(ckpt), str(tmp_path / "o"), "--model.flavor=huge")
     hf = tmp_path / "hf"
     save_hf(_ours(_args(dim=32, n_heads=2, n_kv_heads=1)).state_dict(), _args(dim=32, n_heads=2, n_kv_heads=1), hf)
     msg = error("hf-to-dcp", str(hf), str(tmp_path / "o"), "--model.flavor", "tiny")
     assert "'tiny' and" in msg and "differ in 4 field(s): dim: 32 (config.json) vs 64 (flavor)" in msg
     assert not (tmp_path / "o").exists()
+    # Destinations: one line before any work, nothing replaced unless --overwrite, which replaces the folder whole.
+    afile, other = tmp_path / "afile", tmp_path / "other-export"
+    afile.write_text("x")
+    assert "is a file; dcp-to-hf writes a folder" in error("dcp-to-hf", str(ckpt), str(afile))
+    assert "is a file, so" in error("hf-to-dcp", str(hf), str(afile / "step-0"))
+    assert "is a folder; dcp-to-torch writes one file" in error("dcp-to-torch", str(ckpt), str(tmp_path))
+    assert "already exists; give a new or empty file" in error("dcp-to-torch", str(ckpt), str(afile))
+    assert afile.read_text() == "x"
+    small = _args(dim=32, n_heads=2, n_kv_heads=1)
+    save_hf(_ours(small).state_dict(), small, other)  # another run's export, with its marker
+    (other / ".complete").write_text("{}")
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    assert "already exists and is not empty" in error("dcp-to-hf", str(ckpt), str(other))
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    assert "holds the source" in error("dcp-to-hf", str(ckpt), str(tmp_path), "--overwrite")
+    assert main(["dcp-to-hf", str(ckpt), str(other), "--overwrite"]) == 0
+    assert not (other / ".complete").exists() and (other / "config.json").read_bytes() != before["config.json"]
+    assert [p.name for p in tmp_path.iterdir() if ".converting-" in p.name] == []
 
 
 # --- download script ----------------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ def step_folders(root: str) -> list[tuple[int, str]]:
 def read_marker(path: str) -> dict | None:
     try:
         with open(os.path.join(path, MARKER)) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError):
+            marker = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return marker if isinstance(marker, dict) else None
 
 
 class HashingFile:
@@ -144,7 +145,7 @@ def _usable(step: int, path: str, exact: bool, content: bool, report: bool, warn
     marker = read_marker(path)
     try:
         if marker is None:
-            raise CorruptCheckpoint(f"no {MARKER} marker: its save was interrupted")
+            raise CorruptCheckpoint(no_marker(path))
         verify(path, marker, content)
     except CorruptCheckpoint as e:
         if exact:
@@ -214,11 +215,20 @@ def resume_point(root: str, load_step: int = -1, content: bool = True, report: b
     return weights_only
 
 
+def no_marker(path: str) -> str:
+    """Why `path` has no marker to check it against: none was written, or it is corrupt."""
+    if os.path.exists(os.path.join(path, MARKER)):
+        return f"its {MARKER} marker is corrupt (not the JSON record Tessera writes), so its files cannot be checked"
+    return f"no {MARKER} marker: its save was interrupted"
+
+
 def damage(path: str) -> str | None:
     """What is wrong with a folder that has a marker (a checkpoint or an export), its content included: a line
     naming the file; None when it is intact or has no marker (a folder Tessera did not write)."""
     marker = read_marker(path)
     try:
+        if marker is None and os.path.exists(os.path.join(path, MARKER)):
+            raise CorruptCheckpoint(no_marker(path))
         if marker is not None:
             verify(path, marker)
     except CorruptCheckpoint as e:

@@ -306,6 +306,8 @@ class Generate:
     seed: int = opt(0, "seed of the sampling", min=0, max=2**63 - 1)
     device: str = opt("auto", "where to run; auto = cuda when there is one, else cpu", choices=("auto", "cpu", "cuda"))
     json: bool = opt(False, "print {prompt_ids, output_ids, text} as JSON instead of the text")
+    ignore_eos: bool = opt(False, "sample max_new_tokens whatever comes (benchmarks, parity checks); otherwise stop "
+                           "after the model's EOS (a Hugging Face folder's eos_token_id, else the tokenizer's)")
 
 
 @dataclass
@@ -322,6 +324,9 @@ class FaultTolerance:
                                 "it the live groups compute but apply nothing until another group joins", min=1)
     lighthouse: str = opt("", "the torchft lighthouse's address, e.g. http://host:29510; empty = the "
                           "TORCHFT_LIGHTHOUSE environment variable")
+    job_name: str = opt("", "the job this group belongs to (letters, digits, . _ -), part of its torchft replica id: "
+                        "a group whose job or settings differ from its quorum's is refused before anything is "
+                        "copied; empty = a fingerprint of the settings every group must agree on")
     timeout_seconds: int = opt(60, "seconds a cross-group collective, the commit vote or a recovery transfer may "
                                "take before the step is dropped (a dead peer is usually noticed at once)", min=1)
     quorum_timeout_seconds: int = opt(120, "seconds to wait for a quorum (the lighthouse must answer)", min=1)

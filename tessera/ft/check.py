@@ -8,10 +8,13 @@ checkpoints need one): each group's logs, metrics.jsonl and report in `replica_<
 """
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from tessera.config.manager import ConfigError
@@ -22,7 +25,8 @@ LOCK, FINGERPRINT = ".lock", "ft-config.json"
 # Settings that may differ between groups: where each writes, how it logs, and which group it is. Everything else,
 # the layout inside a group included (gradients are averaged shard by shard), must be the same in every group.
 _PER_GROUP = ("job.", "metrics.", "profiling.", "comm.", "checkpoint.", "generate.", "validation.",
-              "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest")
+              "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest",
+              "fault_tolerance.job_name")
 _held: dict[str, int] = {}  # lock path -> open descriptor, for the life of this process
 
 
@@ -84,6 +88,10 @@ def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
     if not lighthouse_address(cfg):
         raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the lighthouse's "
                           f"address (http://HOST:PORT; scripts/ft_local.sh starts one)")
+    _check_address(lighthouse_address(cfg), cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""))
+    if not re.fullmatch(r"[A-Za-z0-9._-]*", f.job_name):
+        raise ConfigError(f"fault_tolerance.job_name: {f.job_name!r} holds other characters than letters, digits, "
+                          f"'.', '_' and '-'; it becomes part of torchft's replica ids")
     import importlib.util
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install --no-deps "
@@ -106,6 +114,13 @@ def fingerprint(cfg: JobConfig, world_size: int) -> dict[str, object]:
         if not key.startswith(_PER_GROUP):
             out[key] = getattr(owner, f.name)
     return json.loads(json.dumps(out, default=str))
+
+
+def identity(cfg: JobConfig, world_size: int) -> tuple[str, str]:
+    """(job, settings): the job's name (fault_tolerance.job_name, else `cfg-` and the settings' first 8 hex
+    digits) and a digest of what every group must agree on (fingerprint). One job's groups have both equal."""
+    settings = hashlib.sha256(json.dumps(fingerprint(cfg, world_size), sort_keys=True).encode()).hexdigest()[:16]
+    return cfg.fault_tolerance.job_name or f"cfg-{settings[:8]}", settings
 
 
 def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
@@ -143,6 +158,25 @@ def release() -> None:
     """Give up the replica ids this process holds (its group is done)."""
     while _held:
         os.close(_held.popitem()[1])
+
+
+def _check_address(address: str, given: str) -> None:
+    """An http(s)://HOST[:PORT] address (torchft's lighthouse speaks gRPC over HTTP/2)."""
+    try:
+        url = urllib.parse.urlsplit(address)
+        url.port  # noqa: B018 (parses it: a port that is not a number or out of range raises)
+        why = ""
+    except ValueError as e:
+        url, why = None, str(e)
+    if any(c.isspace() or not c.isprintable() for c in address):
+        why = "it holds a space or control character"
+    elif url is not None and url.scheme not in ("http", "https"):
+        why = f"scheme '{url.scheme}': the lighthouse speaks http"
+    elif url is not None and not url.hostname:
+        why = "no host name"
+    if why:
+        raise ConfigError(f"fault_tolerance.lighthouse: {given!r} is not a lighthouse address ({why}); give "
+                          f"http://HOST:PORT (or HOST:PORT), e.g. http://lighthouse-host:29510")
 
 
 def _probe_lighthouse(cfg: JobConfig) -> None:

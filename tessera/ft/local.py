@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_lighthouse(heartbeat_timeout_ms: int = 2000):
     """(server, address): a lighthouse on 127.0.0.1 with a free port, forming a quorum of whoever is live and
     dropping a group after `heartbeat_timeout_ms` without heartbeats."""
-    os.environ.setdefault("RUST_LOG", "warn")  # it logs each quorum otherwise
+    os.environ.setdefault("RUST_LOG", "warn")  # it logs each quorum otherwise; read when torchft is first imported
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,

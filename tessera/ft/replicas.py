@@ -35,6 +35,12 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def _digits(name: str) -> list[str]:
+    """The job name's digest as 4 chunks of 4 hex digits (exact in float64, summed over the quorum)."""
+    digest = xxhash.xxh64(name.encode()).hexdigest()
+    return [digest[i:i + 4] for i in range(0, 16, 4)]
+
+
 def quiet_torchft() -> None:
     """torchft logs every quorum and vote (its Rust side on stderr, its Python loggers at INFO): keep its warnings;
     Tessera logs what changes (quorum changes, recoveries, steps not committed). RUST_LOG=info brings them back."""
@@ -53,6 +59,8 @@ class ReplicaGroup:
 
         self.tr, f = tr, tr.cfg.fault_tolerance
         on_rank0(lambda: check.check_live(tr.cfg, tr.world.size, hold=True))
+        self.job, self.settings = check.identity(tr.cfg, tr.world.size)
+        self.mixed = False  # a group of another job is in the quorum (warned once)
         self.store = None
         store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if store_addr is None or store_port is None:  # one process launched without torchrun: its own store
@@ -66,7 +74,7 @@ class ReplicaGroup:
             timeout=timeout, quorum_timeout=timedelta(seconds=f.quorum_timeout_seconds),
             connect_timeout=timedelta(seconds=f.connect_timeout_seconds), rank=tr.world.rank,
             world_size=tr.world.size, store_addr=store_addr, store_port=int(store_port),
-            lighthouse_addr=check.lighthouse_address(tr.cfg), replica_id=f"tessera_{f.replica_id:04d}",
+            lighthouse_addr=check.lighthouse_address(tr.cfg), replica_id=f"tessera_{self.job}_{f.replica_id:04d}",
             init_sync=False)  # every group initializes the same weights from training.seed: nothing to copy at step 0
         self.manager.load_state_dict({"step": tr.step, "batches_committed": 0})  # resumed from a checkpoint: its step
         self.batches: list | None = None  # this step's batches, kept until it commits (run again if it does not)
@@ -93,11 +101,14 @@ class ReplicaGroup:
         self.recovered_s = None
         try:
             self.manager.start_quorum()
+        except ConfigError:  # _load refused the peer's state
+            raise
         except Exception as e:  # torchft's quorum RPC: the lighthouse (or this group's manager) is gone
             f = self.tr.cfg.fault_tolerance
             raise RuntimeError(f"fault tolerance: step {self.tr.step + 1}: no quorum ({str(e).splitlines()[0][:200]});"
                                f" is the lighthouse at {check.lighthouse_address(self.tr.cfg)} still up? (waited "
                                f"fault_tolerance.quorum_timeout_seconds = {f.quorum_timeout_seconds})") from e
+        self._check_quorum()
         if self.recovered_s is not None:
             seconds = time.perf_counter() - start
             self.recoveries, self.recovery_s = self.recoveries + 1, self.recovery_s + seconds
@@ -107,6 +118,38 @@ class ReplicaGroup:
                             f"{time.perf_counter() - self.started:.1f}s after this group's model was ready; quorum "
                             f"{self.manager.num_participants()} group(s)")
         self._batch_index = 0
+
+    def _check_quorum(self) -> None:
+        """Every group of the quorum is of this job, with these settings (a lighthouse may serve several jobs, and
+        torchft forms one quorum of every group it hears). The quorum's job is that of its group furthest ahead
+        (the lowest rank on a tie): a group of another job refuses itself; the others apply nothing of this step
+        and go on once it has left."""
+        me = self.manager.participating_rank()
+        if me is None:
+            return
+        mine = [float(int(self.settings[i:i + 4], 16)) for i in range(0, 16, 4)]
+        mine += [float(int(d, 16)) for d in _digits(self.job)]
+        table = torch.zeros(self.manager.num_participants(), len(mine) + 1, dtype=torch.float64,
+                            device=self.tr.world.device)
+        table[me] = torch.tensor([*mine, self.tr.step], dtype=torch.float64)
+        from torch.distributed import ReduceOp
+        self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return  # a peer failed: this step does not commit anyway
+        rows = [row[:-1] for row in table.tolist()]
+        lead = max(range(len(rows)), key=lambda i: (table[i, -1].item(), -i))
+        if rows[lead] != mine:
+            what = "job" if rows[lead][4:] != mine[4:] else "settings"
+            raise ConfigError(f"fault_tolerance: the quorum on lighthouse {check.lighthouse_address(self.tr.cfg)} "
+                              f"trains another {what} than this group (job '{self.job}', settings {self.settings}); "
+                              f"give each job its own lighthouse, or every group of a job the same config and "
+                              f"fault_tolerance.job_name")
+        if any(row != mine for row in rows):
+            self.manager.report_error(ConfigError("a replica group of another job is in the quorum"))
+            if not self.mixed and self.tr.world.rank == 0:
+                log.warning(f"fault tolerance: step {self.tr.step + 1}: a replica group of another job (or with other "
+                            f"settings) joined the quorum; nothing applied until it has left")
+        self.mixed = any(row != mine for row in rows)
 
     def _batch(self, fetch, loader):
         """The training loader's batches of this step, the same ones again when the step is run again."""
@@ -210,6 +253,7 @@ class ReplicaGroup:
                          for i, s in opt["state"].items()},
                "param_groups": opt["param_groups"], "sharded": sharded}
         return {"model": {k: _local(v) for k, v in tr.model.state_dict().items()}, "optimizer": opt,
+                "job": [self.job, self.settings],
                 "train": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps,
                           "lr_scheduler": tr.scheduler.state_dict(), "dataloader": dict(self.position),
                           "rng": torch.get_rng_state()}}
@@ -217,6 +261,11 @@ class ReplicaGroup:
     @torch.no_grad()
     def _load(self, state: dict) -> None:
         tr, start = self.tr, time.perf_counter()
+        if (theirs := state.get("job")) != [self.job, self.settings]:  # before anything is copied
+            raise ConfigError(f"fault_tolerance: the live replica group this group would recover from runs job "
+                              f"'{theirs[0]}' (settings {theirs[1]}), this group job '{self.job}' (settings "
+                              f"{self.settings}); give each job its own lighthouse, or every group of a job the "
+                              f"same config and fault_tolerance.job_name")
         ours = tr.model.state_dict()
         if ours.keys() != state["model"].keys():
             raise ConfigError("fault_tolerance: the live replica group holds another model (its parameter names "
