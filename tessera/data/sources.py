@@ -163,6 +163,12 @@ def check_hub(dataset: str, path: str, timeout_s: float = 3.0) -> None:
 
 
 def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: int, epoch: int) -> Iterator[str]:
+    ds, source = hub_rows(dataset, path, split, seed, epoch)
+    return _hub_texts(ds, text_field, source)
+
+
+def hub_rows(dataset: str, path: str, split: str, seed: int, epoch: int):
+    """(the streamed rows of `split` of a hub dataset, shuffled for training; its name)."""
     check_hub(dataset, path)
     import datasets  # deferred: importing `datasets` takes seconds and most runs never need it
 
@@ -177,7 +183,7 @@ def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: i
         raise DataError(f"training.dataset: could not load {source!r} ({dataset!r}): {detail}") from e
     if split == "train":
         ds = ds.shuffle(seed=seed * 1000 + epoch, buffer_size=_HUB_SHUFFLE_BUFFER)
-    return _hub_texts(ds, text_field, source)
+    return ds, source
 
 
 def _hub_texts(rows, text_field: str, source: str) -> Iterator[str]:
