@@ -192,6 +192,7 @@ def _check_resumed_optimizer(cfg: JobConfig, path: str, saved: dict) -> None:
 # checked as it loads; streamed data read from another path may be the same documents moved, and is only named.)
 DATA_ORDER = {"dataset": "samples of the dataset {}", "seed": "samples in the order of seed {}",
               "seq_len": "windows of seq_len {}", "dataset_text_field": "documents of the text field {}",
+              "dataset_format": "examples of {} data",
               "data_streams": "documents dealt to {} streams"}
 
 
@@ -263,6 +264,10 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     from tessera.data.sample import RunReads
 
     t = cfg.training
+    if t.dataset_format != "text" and not family(cfg.model.name).own_data:
+        from tessera.data.examples import check_examples
+
+        return check_examples(cfg)
     if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).own_data:
         return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp

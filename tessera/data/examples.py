@@ -177,3 +177,24 @@ def example_loader_parts(t, hf_assets_path: str, tokenizer: Tokenizer, split: st
     fmt = example_format(t, hf_assets_path)
     docs = functools.partial(examples, fmt, t.dataset, t.dataset_path, split, t.seed, bad=bad)
     return docs, functools.partial(encode_examples, tokenizer)
+
+
+def check_examples(cfg) -> None:
+    """Before launch: chat or prompt-completion data a run can read: a template that compiles, not the text-only
+    built-in corpus, and local files holding an example to train (and one held out, with validation)."""
+    from tessera.data import tokens  # the prepared-data side, checked by its own check
+
+    t = cfg.training
+    fmt = example_format(t, cfg.model.hf_assets_path)
+    if t.dataset != "files" or tokens.wanted(t):
+        if t.dataset == "stdlib":
+            next(examples(fmt, t.dataset, t.dataset_path, "train", t.seed, 0, BadRecords(-1, quiet=True)))
+        return
+    for split in ("train", "validation") if cfg.validation.enable else ("train",):
+        bad = BadRecords(-1, quiet=True)
+        if next(examples(fmt, t.dataset, t.dataset_path, split, t.seed, 0, bad), None) is None:
+            why = f"; {bad.count} bad records, the first: {bad.first}" if bad.count else ""
+            fix = "add data" if split == "train" else "add data (record 100, 200, ... are held out), or set " \
+                                                      "validation.enable = false"
+            raise DataError(f"training.dataset_path: no {t.dataset_format} example in the {split} split of "
+                            f"{t.dataset_path!r} ({fmt.fields()} per record){why}; {fix}")
