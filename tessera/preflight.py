@@ -247,6 +247,7 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
     elif tokens.wanted(t):
         tokens.check(cfg)
+    sources.check_validation_path(cfg)
     if cfg.model.hf_assets_path:
         path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
         try:
@@ -271,10 +272,10 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).own_data:
         return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    held_out = cfg.validation.enable and not cfg.validation.dataset_path  # record 100, 200, ... of the files
     reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
-                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp
-                     if cfg.validation.enable else 0)
-    sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable, t.max_bad_records, reads)
+                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp if held_out else 0)
+    sources.check_files(t.dataset_path, t.dataset_text_field, held_out, t.max_bad_records, reads)
 
 
 def _check_family(cfg: JobConfig, args, dims: ParallelDims) -> None:

@@ -18,7 +18,7 @@ from tessera.data.records import BadRecords
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.trainer import loss_fn, token_inputs
 from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, run_cases, run_local
 from tests.sft_data import CONVERSATIONS, THINKING, chat_tokenizer, write_jsonl
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
@@ -203,6 +203,15 @@ def test_the_loss_equals_transformers_with_ignored_labels(tmp_path):
                         num_items_in_batch=n).loss for x, y in batches)
     torch.testing.assert_close(chunked, hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, hf, rtol=1e-5, atol=1e-5)
+    # The trainer, started from the folder (checkpoint.initial_load_in_hf), logs that loss for its first step of
+    # those two micro-batches, and their trained tokens.
+    (first,) = run_local(tmp_path / "run", "--model.name", "qwen3", "--model.flavor=", "--model.hf_assets_path",
+                         str(folder), "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                         "--checkpoint.initial_load_path", str(folder), "--training.steps", "1",
+                         "--training.dataset", "files", "--training.dataset_path", t.dataset_path,
+                         "--training.dataset_format", "chat", "--training.local_batch_size", "2",
+                         "--training.global_batch_size", "4", "--training.data_streams", "1")
+    assert abs(first["loss"] - hf.item()) < 1e-5 and first["trained_tokens"] == n
 
 
 STEPS = 3
@@ -227,3 +236,58 @@ def test_layouts_equal_one_process_with_uneven_masks(tmp_path):
             assert_matches(got, reference, 1e-5, what=("grads",))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+def test_validation_reports_the_masked_loss_of_a_held_out_chat_file(tmp_path):
+    """validation.dataset_path is read whole; the validation loss is the mean over the trained tokens of all its
+    batches (not over every token)."""
+    from tessera.train import validate_loss
+    from tests.dist_worker import _trainer
+
+    held = chat_file(tmp_path / "held.jsonl", n=10, seed=1)
+    tr = _trainer(["--training.dataset", "files", "--training.dataset_path", str(chat_file(tmp_path / "chat.jsonl")),
+                   "--training.dataset_format", "chat", "--training.local_batch_size", "2", "--validation.enable",
+                   "--validation.steps", "2", "--validation.dataset_path", str(held)], 1, str(tmp_path / "run"))
+    got = validate_loss(tr)
+    loader = build_dataloader(tr.cfg, tr.tokenizer, 0, 1, "validation")
+    first = json.loads(held.read_text().splitlines()[0])["messages"]
+    (want,) = encode_examples(ByteTokenizer(), PlainTemplate().conversation(first, True))
+    summed, every, n = 0.0, 0.0, 0
+    with torch.no_grad():
+        for step in range(2):
+            x, y = loader.next_batch()
+            if step == 0:
+                assert x[0, :len(want)].tolist() == plain(want)[:32]
+            logits = tr.model(x)
+            summed, n = summed + loss_fn(logits, y), n + int(trained_tokens(y))
+            every += loss_fn(logits, x.roll(-1, 1))  # every token, for contrast
+    assert abs(got - summed.item() / n) < 1e-5
+    assert abs(got - every.item() / (2 * 2 * 32)) > 1e-2
+
+
+def test_prepared_chat_data_stores_the_loss_mask(tmp_path):
+    """python -m tessera.data.prepare --format chat: the ids and, beside them, which are trained; a run reads its
+    windows masked as streamed ones are, and a text run refuses the folder."""
+    from tessera.data import prepare, tokens
+    from tessera.data.records import DataError
+    from tessera.data.tokens import TokenShards, read_manifest
+
+    file, out = chat_file(tmp_path / "chat.jsonl", n=60), tmp_path / "prepared"
+    assert prepare.main(["--input", str(file), "--output", str(out), "--format", "chat", "--workers", "1",
+                         "--tasks", "1", "--validation_every", "0"]) == 0
+    manifest = read_manifest(str(out))
+    assert manifest["examples"] == {"kind": "chat", "messages_field": "messages", "chat_template": "auto",
+                                    "assistant_only": True}
+    rows = [json.loads(line)["messages"] for line in file.read_text().splitlines()]
+    want = np.concatenate(encode_examples(ByteTokenizer(), [r for m in rows
+                                                            for r in PlainTemplate().conversation(m, True)]))
+    shards = TokenShards(str(out), manifest, "train")
+    assert shards.read(0, shards.tokens).tolist() == want.tolist()
+    cfg = JobConfig()
+    t = cfg.training
+    t.dataset, t.dataset_path, t.dataset_format, t.seq_len, t.local_batch_size = "tokenized", str(out), "chat", 64, 8
+    _, labels = build_dataloader(cfg, ByteTokenizer(), 0, 1).next_batch()
+    assert 0 < int(trained_tokens(labels)) < labels.numel()
+    t.dataset_format = "text"
+    with pytest.raises(DataError, match="prepared from chat data; set --training.dataset_format chat"):
+        tokens.check(cfg)

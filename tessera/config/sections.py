@@ -146,6 +146,8 @@ class Validation:
     enable: bool = opt(False, "evaluate loss on the held-out split")
     freq: int = opt(100, "evaluate every N steps", min=1)
     steps: int = opt(4, "batches per evaluation", min=1)
+    dataset_path: str = opt("", "training.dataset = files: a held-out file, folder or glob, read whole (in "
+                            "training.dataset_format), instead of record 100, 200, ... of training.dataset_path")
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 from tessera.data import chat
 from tessera.data.masks import untrained
 from tessera.data.records import BadRecords, DataError, json_object, json_records
-from tessera.data.sources import _FILES_HOLDOUT_MOD, SPLITS, _resolve_files, check_dataset, hub_rows
+from tessera.data.sources import _FILES_HOLDOUT_MOD, WHOLE, _resolve_files, check_dataset, check_split, hub_rows
 from tessera.data.tokenizer import ByteTokenizer, Tokenizer
 
 PROMPT, COMPLETION = "prompt", "completion"
@@ -75,13 +75,16 @@ def example_format(t, hf_assets_path: str) -> ExampleFormat:
 
 # --- reading records -----------------------------------------------------------------------------------------
 
-def file_rows(file: Path, bad: BadRecords, wants: str) -> Iterator[tuple[dict | None, str]]:
-    """(the object or None when bad, where) of each record of a .jsonl / .json / .parquet file."""
+def file_rows(file: Path, bad: BadRecords, wants: str, start: int = 0,
+              end: int | None = None) -> Iterator[tuple[dict | None, str]]:
+    """(the object or None when bad, where) of each record of a .jsonl / .json / .parquet file; of a piece of it
+    with `start`/`end` (as records.file_texts)."""
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
 
-        n = 0
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=256):  # bounded memory
+        parquet, groups = pq.ParquetFile(file), range(start, end) if end is not None else None
+        n = sum(parquet.metadata.row_group(g).num_rows for g in range(start)) if groups else 0
+        for batch in parquet.iter_batches(batch_size=256, row_groups=groups):  # bounded memory
             for row in batch.to_pylist():
                 n += 1
                 yield row, f"row {n}"
@@ -91,7 +94,7 @@ def file_rows(file: Path, bad: BadRecords, wants: str) -> Iterator[tuple[dict | 
                         f"training.dataset_format = 'chat' / 'prompt_completion' reads records with {wants}: use "
                         f".jsonl, .json or .parquet files")
     with open(file, "rb") as f:
-        for where, raw, _, problem in json_records(f, file):
+        for where, raw, _, problem in json_records(f, file, start, end):
             yield (bad.skip(file, where, problem) if problem is not None else
                    json_object(raw, file, where, bad, wants)), where
 
@@ -110,8 +113,7 @@ def examples(fmt: ExampleFormat, dataset: str, path: str, split: str, seed: int,
              bad: BadRecords) -> Iterator[chat.Rendered]:
     """The examples of `split` for one epoch, in the order and with the held-out split text documents have
     (files: record 100, 200, ... held out; hub: its splits, training shuffled)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split(dataset, split)
     check_dataset(dataset, path)
     if dataset == "stdlib":
         raise DataError("training.dataset_format: the stdlib corpus is text; chat and prompt_completion data come "
@@ -124,7 +126,7 @@ def examples(fmt: ExampleFormat, dataset: str, path: str, split: str, seed: int,
     want_val, k = split == "validation", 0
     for file in _resolve_files(path):
         for row, where in file_rows(file, bad, fmt.fields()):
-            if (k % _FILES_HOLDOUT_MOD == _FILES_HOLDOUT_MOD - 1) == want_val:
+            if split == WHOLE or (k % _FILES_HOLDOUT_MOD == _FILES_HOLDOUT_MOD - 1) == want_val:
                 yield from _examples_of(fmt, row, file, where, bad)
             k += 1
 
@@ -172,10 +174,10 @@ def _ids(tok: Tokenizer, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text), dtype=np.int32)
 
 
-def example_loader_parts(t, hf_assets_path: str, tokenizer: Tokenizer, split: str, bad: BadRecords):
-    """(docs, encode) for a TokenLoader over the run's examples."""
+def example_loader_parts(t, hf_assets_path: str, tokenizer: Tokenizer, path: str, split: str, bad: BadRecords):
+    """(docs, encode) for a TokenLoader over the examples of `split` of `path`."""
     fmt = example_format(t, hf_assets_path)
-    docs = functools.partial(examples, fmt, t.dataset, t.dataset_path, split, t.seed, bad=bad)
+    docs = functools.partial(examples, fmt, t.dataset, path, split, t.seed, bad=bad)
     return docs, functools.partial(encode_examples, tokenizer)
 
 
@@ -191,10 +193,36 @@ def check_examples(cfg) -> None:
             next(examples(fmt, t.dataset, t.dataset_path, "train", t.seed, 0, BadRecords(-1, quiet=True)))
         return
     for split in ("train", "validation") if cfg.validation.enable else ("train",):
-        bad = BadRecords(-1, quiet=True)
-        if next(examples(fmt, t.dataset, t.dataset_path, split, t.seed, 0, bad), None) is None:
+        bad, (key, path, read) = BadRecords(-1, quiet=True), read_from(cfg, split)
+        if next(examples(fmt, t.dataset, path, read, t.seed, 0, bad), None) is None:
             why = f"; {bad.count} bad records, the first: {bad.first}" if bad.count else ""
-            fix = "add data" if split == "train" else "add data (record 100, 200, ... are held out), or set " \
-                                                      "validation.enable = false"
-            raise DataError(f"training.dataset_path: no {t.dataset_format} example in the {split} split of "
-                            f"{t.dataset_path!r} ({fmt.fields()} per record){why}; {fix}")
+            fix = "add data (record 100, 200, ... are held out), or set validation.enable = false" \
+                if read == "validation" else "add data"
+            raise DataError(f"{key}: no {t.dataset_format} example in the {read} split of {path!r} "
+                            f"({fmt.fields()} per record){why}; {fix}")
+
+
+def read_from(cfg, split: str) -> tuple[str, str, str]:
+    """(the option naming it, path, split to read) of the run's `split`: validation.dataset_path read whole when
+    it is set, else the split of training.dataset_path."""
+    if split == "validation" and cfg.validation.dataset_path:
+        return "validation.dataset_path", cfg.validation.dataset_path, WHOLE
+    return "training.dataset_path", cfg.training.dataset_path, split
+
+
+# --- prepared data (python -m tessera.data.prepare --format chat) ---------------------------------------------
+
+def prepared_format(spec: dict | None, tokenizer_path: str) -> ExampleFormat | None:
+    """A prepare request's "examples" entry ({kind, messages_field, chat_template, assistant_only}; None: text)."""
+    if not spec:
+        return None
+    return ExampleFormat(spec["kind"], spec["messages_field"], chat.build_template(tokenizer_path,
+                                                                                 spec["chat_template"]),
+                         spec["assistant_only"])
+
+
+def piece_examples(fmt: ExampleFormat, file: Path, bad: BadRecords, start: int = 0,
+                   end: int | None = None) -> Iterator[chat.Rendered]:
+    """The examples of a piece of a file, bad records counted."""
+    for row, where in file_rows(file, bad, fmt.fields(), start, end):
+        yield from _examples_of(fmt, row, file, where, bad)

@@ -10,6 +10,7 @@ import torch
 from tessera.config import ConfigError
 from tessera.config.sections import JobConfig
 from tessera.data import tokens
+from tessera.data.examples import example_loader_parts, read_from
 from tessera.data.masks import split_windows
 from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import documents
@@ -179,10 +180,9 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degr
 
         return build_prepared_loader(cfg, tokenizer, dp_rank, dp_degree, split)
     bad = BadRecords(t.max_bad_records) if bad is None else bad
-    docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed, bad=bad)
+    _, path, read = read_from(cfg, split)
+    docs = functools.partial(documents, t.dataset, path, t.dataset_text_field, read, t.seed, bad=bad)
     encode = None
     if t.dataset_format != "text":
-        from tessera.data.examples import example_loader_parts
-
-        docs, encode = example_loader_parts(t, cfg.model.hf_assets_path, tokenizer, split, bad)
+        docs, encode = example_loader_parts(t, cfg.model.hf_assets_path, tokenizer, path, read, bad)
     return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams, encode)
