@@ -179,7 +179,7 @@ def validate_loss(tr: Trainer) -> float:
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = tr.batch_fn(tr.val_loader)
         total += forward_backward(tr, inputs, labels, train=False)
-        trained += trained_tokens(labels)
+        trained += trained_tokens(labels) if tr.token_loss else 0
     tr.model.train()
     total = pp_share(total, tr)
     if tr.token_loss:
