@@ -114,6 +114,13 @@ def test_bad_chat_records_are_counted_with_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"max_bad_records: 2 bad data records, more than 1; the latest, .*chat"
                                          r"\.jsonl line 3"):
         list(examples(example_format(t, ""), "files", str(file), "train", 0, 0, BadRecords(1, quiet=True)))
+    # A role the tokenizer's template refuses (its raise_exception) is a bad record too.
+    tool = write_jsonl(tmp_path / "tool.jsonl", [{"messages": [{"role": "tool", "content": "42"},
+                                                               {"role": "assistant", "content": "ok"}]}])
+    bad = BadRecords(-1, quiet=True)
+    assert list(examples(example_format(t, str(chat_tokenizer(tmp_path / "tok"))), "files", str(tool), "train", 0,
+                         0, bad)) == []
+    assert bad.examples == [f"{tool}:1: unknown role tool"]
 
 
 def chat_file(path, n: int = 300, seed: int = 0):
