@@ -298,3 +298,20 @@ def test_prepared_chat_data_stores_the_loss_mask(tmp_path):
     t.dataset_format = "text"
     with pytest.raises(DataError, match="prepared from chat data; set --training.dataset_format chat"):
         tokens.check(cfg)
+
+
+@pytest.mark.fast
+def test_a_resume_in_another_dataset_format_is_refused():
+    """A checkpoint's data position counts samples of its format's examples."""
+    import dataclasses
+
+    from tessera.config import ConfigError
+    from tessera.preflight import _check_resumed_data, parse_args
+
+    cfg = parse_args(["--training.dataset", "files", "--training.dataset_path", "chat.jsonl",
+                      "--training.dataset_format", "chat"])
+    saved = {**dataclasses.asdict(cfg.training), "dataset_format": "text"}
+    with pytest.raises(ConfigError, match="^training.dataset_format: 'chat', but the checkpoint at ckpt counted its "
+                                          "data position in examples of 'text' data; set --training.dataset_format "
+                                          "text to resume it"):
+        _check_resumed_data(cfg, "ckpt", saved)
