@@ -9,7 +9,7 @@ peer, in bf16, + compile, + compile + Float8 (rowwise, tensorwise); then one Qwe
     python benchmarks/bench_gpu.py --smoke    # dry run on CPU: every peer that runs there, tiny model, fp32
 
 Peers (gpu_peers.py): Tessera's trainer; a plain PyTorch loop (Tessera's model, bf16 autocast, fused AdamW,
-F.cross_entropy); TorchTitan 0.3.0's own trainer (gpu_titan.py); transformers' LlamaForCausalLM (sdpa) in the plain
+F.cross_entropy); TorchTitan 0.2.2's own trainer (gpu_titan.py); transformers' LlamaForCausalLM (sdpa) in the plain
 loop. Each run is a process of its own (no compile cache or memory carried over), stopped at its time limit.
 Runs go in order of value, so a short run still answers the main question: 3B with every peer (bf16, compile), then
 1B, then the Float8 configs, then the MoE layer. Every run's row is written to --out as soon as it ends; --resume
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, child_env, gemm_setup, smoke_option, write_json  # noqa: E402, I001
+from common import RESULTS, ROOT, child_env, gemm_setup, gpu_run_options, smoke_option, write_json  # noqa: E402, I001
 from gpu_titan import STEP_LINE  # noqa: E402
 from gpu_peers import (  # noqa: E402
     CONFIGS, PEERS, failure, llama_args, run_child, run_hf, run_plain, run_tessera, run_titan, tessera_flags,
@@ -170,14 +170,8 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--batch", default="1B=3,3B=1", help="local batch per flavor, the same for every peer; auto: the "
                    "largest whose estimated bf16 peak fits 80%% of the GPU (1B=3, 3B=1 on a 141 GB H200)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens in the first)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps; tokens/s is from the median one")
-    p.add_argument("--budget_s", type=float, default=450, help="stop starting runs after this many seconds in all")
-    p.add_argument("--run_cap_s", type=float, default=150, help="time limit of one run")
     p.add_argument("--no_moe", action="store_true", help="leave out the MoE layer")
-    p.add_argument("--resume", action="store_true", help="keep the ok rows of --out, run the others")
-    p.add_argument("--out", default=str(RESULTS / "gpu.json"))
-    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    gpu_run_options(p, budget_s=450, run_cap_s=150, out=RESULTS / "gpu.json")
     p.add_argument("--batch_size", type=int, help=argparse.SUPPRESS)
     smoke_option(p, flavors="debugmodel", configs="bf16", seq_len=64, batch="debugmodel=2", warmup=1, steps=2,
                  budget_s=240, run_cap_s=120)

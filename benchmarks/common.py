@@ -50,9 +50,22 @@ def smoke_option(p: argparse.ArgumentParser, **tiny) -> None:
         p.set_defaults(**{"out": str(out), **tiny})
 
 
+def gpu_run_options(p: argparse.ArgumentParser, budget_s: float, run_cap_s: float, out: Path) -> None:
+    """The options of a one-GPU suite of timed runs, each a process (bench_gpu.py, bench_gpu_moe.py)."""
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens in the first)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps; tokens/s is from the median one")
+    p.add_argument("--budget_s", type=float, default=budget_s, help="stop starting runs after this many seconds")
+    p.add_argument("--run_cap_s", type=float, default=run_cap_s, help="time limit of one run")
+    p.add_argument("--resume", action="store_true", help="keep the finished runs of --out, run the others")
+    p.add_argument("--out", default=str(out))
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment of a benchmark subprocess: finds tessera, and gets its own cold compile cache (unless set)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    """Environment of a benchmark subprocess: finds tessera (and what PYTHONPATH held: the GPU suites' carried
+    wheels), and gets its own cold compile cache (unless set)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path, **extra}
     if _COLD_CACHE:
         env.pop("TORCHINDUCTOR_CACHE_DIR")
         env.pop("TRITON_CACHE_DIR")

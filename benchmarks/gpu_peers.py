@@ -7,7 +7,8 @@ length and step (forward, cross-entropy on the whole logits, backward, clip to n
   do; Float8: torchao's `convert_to_float8_training` (every linear but `output`);
 - hf: `transformers`' `LlamaForCausalLM` (sdpa attention) from the same sizes (`tessera.models.llama3.hf.hf_config`),
   in the same plain loop;
-- torchtitan: TorchTitan 0.3.0's own trainer (gpu_titan.py), in a process of its own.
+- torchtitan: TorchTitan's own trainer (gpu_titan.py: 0.2.2, the newest release that runs on torch 2.11), in a
+  process of its own.
 
 On CUDA the models keep fp32 weights and compute in bf16; on CPU (dry runs) in fp32. tokens/s is the median of the
 timed steps, after the warm-up steps (compilation happens in the first one, whose seconds are reported apart).
@@ -140,9 +141,8 @@ def run_hf(flavor: str, config: str, seq_len: int, batch: int, warmup: int, step
 
 def titan_assets(folder: Path) -> tuple[str, str]:
     """A tokenizer (byte-level BPE, 512 tokens, trained in a second) and a local text dataset for TorchTitan's
-    c4_test loader: only their speed matters, and the model's vocabulary stays Llama 3's. TorchTitan's language
-    models always mask attention by document (block-causal); each document here (256 KB of text) is longer than a
-    window, so its mask is the causal one of the other peers."""
+    c4_test loader (`load_dataset(folder, split="train")`): only their speed matters, and the model's vocabulary
+    stays Llama 3's. Each document (256 KB of text) is longer than a window."""
     from bench_data import paragraphs, train_tokenizer
 
     assets, data = folder / "tokenizer", folder / "data"
@@ -160,19 +160,19 @@ def titan_assets(folder: Path) -> tuple[str, str]:
 
 
 def titan_refusal(config: str, flavor: str) -> str | None:
-    from gpu_titan import RECIPES
+    from gpu_titan import FLAVORS, RECIPES, VERSION
 
     recipe = CONFIGS[config][1]
     if recipe and recipe not in RECIPES:
-        return f"skipped: TorchTitan 0.3.0's Float8 converter has no {recipe} recipe (only {', '.join(RECIPES)})"
-    if flavor not in ("debugmodel", "1B", "3B", "8B", "70B", "405B"):  # debugmodel: its vocabulary is 2048
+        return f"skipped: TorchTitan {VERSION}'s Float8 converter has no {recipe} recipe (only {', '.join(RECIPES)})"
+    if flavor not in FLAVORS:
         return f"skipped: TorchTitan has no Llama 3 flavor {flavor}"
     return None
 
 
 def run_titan(flavor: str, config: str, seq_len: int, batch: int, warmup: int, steps: int, timeout: float) -> dict:
     """TorchTitan's trainer in its own process; its log read by gpu_titan.read_log."""
-    from gpu_titan import ENV, read_log
+    from gpu_titan import read_log, titan_flags
 
     if refusal := titan_refusal(config, flavor):
         return {"status": refusal}
@@ -181,14 +181,15 @@ def run_titan(flavor: str, config: str, seq_len: int, batch: int, warmup: int, s
     with tempfile.TemporaryDirectory(prefix="tessera-titan-") as tmp:
         assets, data = titan_assets(Path(tmp))
         compiled, recipe = CONFIGS[config]
-        run = {"flavor": flavor, "seq_len": seq_len, "batch": batch, "steps": warmup + steps, "compile": compiled,
-               "float8": recipe, "assets": assets, "data": data, "dump": str(Path(tmp, "dump"))}
-        env = child_env(**{ENV: json.dumps(run), "PYTHONPATH": os.pathsep.join(
-            [str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+        flags = titan_flags({"flavor": flavor, "seq_len": seq_len, "batch": batch, "steps": warmup + steps,
+                             "compile": compiled, "float8": recipe, "assets": assets, "data": data,
+                             "dump": str(Path(tmp, "dump"))})
+        env = child_env(PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         script = str(ROOT / "benchmarks" / "gpu_titan.py")
         # As TorchTitan's run_train.sh launches it: under torchrun, one rank
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script] \
-            if torch.cuda.is_available() else [sys.executable, script, "--dry_run"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script, *flags] \
+            if torch.cuda.is_available() else [sys.executable, script, "--dry_run", *flags]
         code, text = run_child(cmd, env, timeout, cwd=tmp)
     if code == 0 and not torch.cuda.is_available():
         line = next((x for x in text.splitlines() if x.startswith("TITAN_DRY_RUN")), "")

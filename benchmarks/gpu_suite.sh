@@ -17,4 +17,4 @@ fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 "$PY" -c "import torch, sys; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, cuda '
           f'{torch.cuda.is_available()}')"
-exec "$PY" benchmarks/bench_gpu.py --budget_s "${BUDGET_S:-440}" "$@"
+exec "$PY" "${SUITE:-benchmarks/bench_gpu.py}" --budget_s "${BUDGET_S:-440}" "$@"  # gpu_moe.sh: bench_gpu_moe.py

@@ -11,9 +11,11 @@ PY=${PYTHON:-.venv/bin/python}
 WHEELS=(
     # Tessera itself: its config writer, and torchao for Float8 (the image has neither)
     tomli-w==1.2.0 torchao==0.17.0
-    # TorchTitan 0.3.0 (its METADATA's Requires-Dist; tokenizers, safetensors, tensorboard, einops, pillow are there)
-    torchtitan==0.3.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17
-    docstring-parser==0.17.0 typeguard==4.4.4 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+    # TorchTitan 0.2.2, the newest release that imports on torch 2.11 (docs/benchmarks.md), and what its METADATA's
+    # Requires-Dist needs that the image lacks (tokenizers, tensorboard, einops, pillow, fsspec, pyarrow, pandas,
+    # xxhash, huggingface-hub are there; Python 3.12 has tomllib): these versions imported it on torch 2.11
+    torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+    datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
 )
 mkdir -p "$DIR"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -84,13 +84,16 @@ class LiveBytes(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_
         # DTensor runs each new op once on fake tensors to learn its output's shape, under the fake mode in force
         # (the estimate's own): nothing a rank allocates. Its lock around that run is where counting pauses.
-        self._lock = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = _Pause(self, self._lock)
+        # torch 2.11 has no such lock (2.13 has): there each of those outputs is counted while it lives.
+        self._lock = getattr(ShardingPropagator, "_fake_mode_lock", None)
+        if self._lock is not None:
+            ShardingPropagator._fake_mode_lock = _Pause(self, self._lock)
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        ShardingPropagator._fake_mode_lock = self._lock
+        if self._lock is not None:
+            ShardingPropagator._fake_mode_lock = self._lock
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

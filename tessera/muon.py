@@ -92,29 +92,28 @@ def _split_axes(p: torch.Tensor) -> tuple[int, ...]:
 
 class ShardGroup:
     """The ranks that together hold whole matrices of some parameters (all on one mesh, split along the same
-    axes), and the all-to-all exchange that has each matrix orthogonalized by one of them."""
+    axes), and the all-to-all exchange that has each matrix orthogonalized by one of them. `groups` is the
+    optimizer's cache of the process groups it created, by their ranks."""
 
-    _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-    def __init__(self, sample: DTensor, axes: tuple[int, ...]):
+    def __init__(self, sample: DTensor, axes: tuple[int, ...], groups: dict[tuple[int, ...], dist.ProcessGroup]):
         mesh = sample.device_mesh
         coords = mesh.get_coordinate()
         index = tuple(slice(None) if axis in axes else coords[axis] for axis in range(mesh.ndim))
         self.ranks = mesh.mesh[index].flatten().tolist()
-        self.group = mesh.get_group(axes[0]) if len(axes) == 1 else self._new_group(self.ranks)
+        self.group = mesh.get_group(axes[0]) if len(axes) == 1 else self._new_group(self.ranks, groups)
         self.me = dist.get_rank(self.group)  # the group's order (new_group's: sorted) is the all-to-all's
         self.where: dict[int, torch.Tensor | None] = {}  # my matrix's slot -> each gathered element's flat index
         self.sizes: list[list[int]] | None = None  # [rank][slot]: how many elements of the matrix the rank holds
         self.ids: list[int] = []  # the parameters the layout was learned for
 
-    @classmethod
-    def _new_group(cls, ranks: list[int]) -> dist.ProcessGroup:
+    @staticmethod
+    def _new_group(ranks: list[int], groups: dict[tuple[int, ...], dist.ProcessGroup]) -> dist.ProcessGroup:
         # Created lazily by the members only; every member meets its groups in the same order (buckets sorted),
         # as new_group's local synchronization requires.
         key = tuple(ranks)
-        if key not in cls._groups:
-            cls._groups[key] = dist.new_group(ranks, use_local_synchronization=True)
-        return cls._groups[key]
+        if key not in groups:
+            groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+        return groups[key]
 
     def owner(self, slot: int) -> int:
         return slot % len(self.ranks)
@@ -191,6 +190,7 @@ class Muon(torch.optim.AdamW):
         super().__init__(params, **adamw)
         self.settings = settings
         self._shard_groups: dict[tuple, ShardGroup] = {}
+        self._process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # what ShardGroups created, by ranks
         self._buckets: dict[int, tuple] = {}
 
     @torch.no_grad()
@@ -245,7 +245,7 @@ class Muon(torch.optim.AdamW):
             entries = buckets[key]
             if key:
                 if key not in self._shard_groups:
-                    self._shard_groups[key] = ShardGroup(entries[0][1], key[2])
+                    self._shard_groups[key] = ShardGroup(entries[0][1], key[2], self._process_groups)
                 done = self._shard_groups[key].orthogonalize([p for _, p, _ in entries], [u for *_, u in entries], cfg)
             else:  # whole matrices here (one process, or experts split only by EP)
                 done = [orthogonalize_stack(u, cfg) for *_, u in entries]

@@ -73,15 +73,37 @@ def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps
 
 
 def resume_lr(scheduler, state: dict) -> None:
-    """Continue the saved schedule at its step, over this run's training.steps: a run extended (or shortened)
-    on resume follows the schedule of its new total from the step reached (warm-up, which does not depend on
-    the total, never restarts). The next step's lr is set here: the optimizer's saved param groups hold the
-    lr of the old schedule."""
+    """Continue the saved schedule at its step, over this run's training.steps and peak lr: a run extended (or
+    shortened) on resume follows the schedule of its new total from the step reached (warm-up, which does not
+    depend on the total, never restarts), and a changed optimizer.lr is the new peak from there. The next step's
+    lr is set here: the optimizer's saved param groups hold the lr of the old schedule."""
+    peaks = list(scheduler.base_lrs)  # this run's: optimizer.lr times each group's multiplier
     scheduler.load_state_dict(state)
+    scheduler.base_lrs = peaks
     scheduler._last_lr = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs,
                                                                                scheduler.lr_lambdas, strict=True)]
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
         group["lr"] = lr
+
+
+# Settings a resume applies to the saved optimizer state (its moments stay valid under them): {key: what it is}.
+RESUMABLE = ("name", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def keep_settings(optimizer: torch.optim.Optimizer, built: list[dict]) -> None:
+    """After loading a checkpoint's optimizer state: its param groups' settings (betas, eps, weight decay,
+    Adam or AdamW's decoupling, the peak lr) replaced by `built`, the groups' settings as this run built them
+    (the lr itself is the scheduler's to set)."""
+    for group, ours in zip(optimizer.param_groups, built, strict=True):
+        group.update({key: value for key, value in ours.items() if key not in ("params", "lr")})
+
+
+def settings_changed(saved: dict, cfg: Optimizer) -> list[str]:
+    """'key old -> new' for each RESUMABLE setting of `cfg` that the checkpoint's [optimizer] table `saved` set
+    otherwise (a key it lacks, from an older config, had the default)."""
+    defaults = Optimizer()
+    return [f"{key} {saved.get(key, getattr(defaults, key))} -> {getattr(cfg, key)}" for key in RESUMABLE
+            if saved.get(key, getattr(defaults, key)) != getattr(cfg, key)]
 
 
 @torch.no_grad()

@@ -13,9 +13,19 @@ import sys
 import tempfile
 
 from tessera import architecture, config
-from tessera.checkpoint.folder import read_saved_config, resume_point
+from tessera.checkpoint.folder import read_saved_config
+from tessera.checkpoint.launch_check import check_initial_load, launch_resume_point
+from tessera.checkpoint.space import checkpoint_bytes, room_problem
 from tessera.config import ConfigError
-from tessera.config.sections import FLOAT8_CONVERTER as FLOAT8, LOADABLE_PARTS, MX_CONVERTER as MX, MX_RECIPES, mount
+from tessera.config.sections import (
+    FLOAT8_CONVERTER as FLOAT8,
+    LOADABLE_PARTS,
+    MX_CONVERTER as MX,
+    MX_RECIPES,
+    STOP_SIGNALS,
+    mount,
+)
+from tessera.data.tokenizer import ByteTokenizer
 from tessera.ft import check as ft_check
 from tessera.models import FAMILIES, family
 from tessera.parallel import pp_layout
@@ -44,8 +54,10 @@ def markdown_reference() -> str:
     return config.markdown_reference(JobConfig)
 
 
-def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Check everything that can be checked without torch; returns the resolved parallel degrees."""
+def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bool = False) -> ParallelDims:
+    """Check everything that can be checked without torch; returns the resolved parallel degrees. `launch`: the
+    check before ranks start, which also reads the checkpoint a run starts from against its checksums. `training`:
+    for a run that will save (its launch check and its ranks), not a plan or an estimate of it."""
     m, t = cfg.model, cfg.training
     ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     if m.name not in FAMILIES:
@@ -56,12 +68,18 @@ def validate(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
-    args = _check_resume(cfg)
+    args, resume = _check_resume(cfg, launch)
+    if training:
+        _check_room(cfg, args)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
     if not family(m.name).own_data:  # a family with its own data checks it in its check
         _check_data(cfg)
+        _check_tokenizer_vocab(cfg, args, resume)
+        if resume and "dataloader" not in cfg.checkpoint.exclude_from_loading:
+            from tessera.data import fingerprint
+            fingerprint.check_resume(cfg, resume)  # the files the data position counts in are the same
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -146,17 +164,13 @@ def _check_folders(cfg: JobConfig) -> None:
         _writable_folder("checkpoint.folder", os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
 
 
-def _check_resume(cfg: JobConfig):
+def _check_resume(cfg: JobConfig, launch: bool):
     """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
-    the architecture the run will build (its vocabulary may still follow the tokenizer)."""
+    the architecture the run will build (its vocabulary may still follow the tokenizer) and that checkpoint's
+    path, if any."""
     resume = None
     if cfg.checkpoint.enable:
-        try:
-            # Sizes only, and quietly: the ranks check the content (each reads a share) and say what they skip.
-            resume = resume_point(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step,
-                                  content=False, report=False)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        resume = launch_resume_point(cfg, launch)
     if resume is not None and resume[2].get("kind") == "full":
         step, path, _ = resume
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
@@ -167,7 +181,26 @@ def _check_resume(cfg: JobConfig):
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
                               f"job.dump_folder")
-    return architecture.resolve(cfg, None, resume[1] if resume else None)
+    if resume is None:  # then the run starts from initial_load_path, if given
+        check_initial_load(cfg, launch)
+    path = resume[1] if resume else None
+    return architecture.resolve(cfg, None, path), path
+
+
+def _check_tokenizer_vocab(cfg: JobConfig, args, resume: str | None) -> None:
+    """Resuming: the tokenizer's vocabulary fits the checkpoint's model, and is the one it was trained with where
+    the flavor takes the tokenizer's; refused here rather than by the ranks once they have loaded it."""
+    if not cfg.model.hf_assets_path or resume is None:
+        return
+    from tessera.data.tokenizer import HFTokenizer
+
+    vocab, path = HFTokenizer(cfg.model.hf_assets_path).vocab_size, os.path.join(cfg.model.hf_assets_path,
+                                                                                 "tokenizer.json")
+    takes = cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab
+    if vocab > args.vocab_size or (takes and vocab != args.vocab_size):
+        raise ConfigError(f"model.hf_assets_path: the tokenizer {path} has {vocab} tokens, but the model of the "
+                          f"checkpoint at {resume} has a vocabulary of {args.vocab_size}: it was trained with "
+                          f"another tokenizer; resume with that one, or pick another job.dump_folder")
 
 
 # [optimizer] settings that decide the optimizer's state (Muon's momentum or Adam's moments per matrix) and its
@@ -350,6 +383,22 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
     if bad:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {sorted(bad)}; choose from "
                           f"{', '.join(LOADABLE_PARTS)}")
+    if bad := set(c.save_on_signal) - set(STOP_SIGNALS):
+        raise ConfigError(f"checkpoint.save_on_signal: unknown signal(s) {sorted(bad)}; choose from "
+                          f"{', '.join(STOP_SIGNALS)}, or none")
+
+
+def _check_room(cfg: JobConfig, args) -> None:
+    """The checkpoint folder has room for one more checkpoint (the newest one's size, or weights and two Adam
+    moments in fp32): refused before any rank starts, not at the first save."""
+    if cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint:
+        root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        if not cfg.model.hf_assets_path and cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab:
+            args = dataclasses.replace(args, vocab_size=ByteTokenizer.vocab_size)  # the built-in one's, known now
+        estimate = family(cfg.model.name).counts(args, cfg.training.seq_len).params * 4 * 3
+        if problem := room_problem(root, checkpoint_bytes(root, estimate)):
+            raise ConfigError(f"checkpoint.folder: {problem}; free some space or pick another job.dump_folder or "
+                              f"checkpoint.folder")
 
 
 def _check_pp(cfg: JobConfig, args, pp: int) -> None:
@@ -422,7 +471,7 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        validate(parse_args(argv), world_size)
+        validate(parse_args(argv), world_size, launch=True, training=True)
     except ConfigError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from tessera.parallel.tp import local, loss_context
 from tessera.preflight import help_text, parse_args, validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
+from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
 from tessera.trainer import Trainer, build_trainer, micro_batches, run_view
 
 log = logging.getLogger("tessera")
@@ -193,7 +194,8 @@ def train(tr: Trainer) -> None:
     tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps, window_trained = time.perf_counter(), 0.0, 0, 0.0
     first_step = tr.step
-    with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr):
+    with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr), \
+            StopRequest(tr.cfg.checkpoint.save_on_signal, tr.world.size) as stop:
         while tr.step < t.steps:
             lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
             stepped = train_step(tr)
@@ -220,12 +222,38 @@ def train(tr: Trainer) -> None:
             # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
             if tr.checkpointer.should_save(tr.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
+            if (asked := at_boundary(tr, stop)) and not last:  # every rank the same: a signal stops the run here
+                stop_and_save(tr, stop, asked)
             if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
             if tr.evaluate is not None and tr.evaluate(run_view(tr), last):  # its time is not the step's
                 window_start = time.perf_counter()
     tr.checkpointer.wait()
+
+
+def at_boundary(tr: Trainer, stop: StopRequest) -> str | None:
+    """The signal some rank got, agreed on by every rank (or None); a failed save ends the run here, on every
+    rank, in one line."""
+    asked, failed = stop.agree(tr.checkpointer.failure is not None)
+    if failed:
+        raise SaveFailed(stop.first_message(tr.checkpointer.failure) or "a checkpoint save failed on another rank")
+    return asked
+
+
+def stop_and_save(tr: Trainer, stop: StopRequest, asked: str) -> None:
+    """A full checkpoint of the step reached (unless this step's was just written; an async one in flight is
+    waited for), then Stopped with the line saying so."""
+    saves = tr.cfg.checkpoint.enable and (tr.replicas is None or tr.replicas.saves())
+    if saves and not tr.checkpointer.should_save(tr.step, False):
+        tr.checkpointer.save(sync=True)
+    tr.checkpointer.wait()
+    at_boundary(tr, stop)  # this save failed: that line instead
+    where = (f"checkpoint step {tr.step} saved in {tr.checkpointer.root}" if saves else
+             "no checkpoint saved (checkpoint.enable = false)" if not tr.cfg.checkpoint.enable else
+             "this replica group saves no checkpoint (another group of the job does)")
+    raise Stopped(f"stopped on {asked} after step {tr.step} of {tr.cfg.training.steps}: {where}; exit status "
+                  f"{REQUEUE_EXIT} (relaunch, or let SLURM requeue, to resume)")
 
 
 def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: float, data_s: float,
@@ -281,7 +309,8 @@ def summarize(tr: Trainer) -> None:
 def _fail(error: BaseException, code: int) -> int:
     """One line for the whole job, and the exit status. Under tessera.launch each rank leaves the line in its
     torchelastic error file and the launcher prints the first failure's; otherwise rank 0 prints it."""
-    report(f"{error}" if code == 2 or isinstance(error, (NonFiniteError, CorruptCheckpoint, CommTimeout))
+    report(f"{error}" if code == 2 or isinstance(error, (NonFiniteError, CorruptCheckpoint, CommTimeout, Stopped,
+                                                         SaveFailed))
            else f"{type(error).__name__}: {error}")
     return code
 
@@ -302,7 +331,8 @@ def main(argv: list[str]) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
         cfg = parse_args(argv)
-        dims = validate(cfg, world_size_from_env())
+        dims = validate(cfg, world_size_from_env(), launch="LOCAL_RANK" not in os.environ,  # one process: it launches
+                        training=True)
     except ConfigError as e:
         return _fail(e, 2)
     world = init_world(dims, cfg.comm.init_timeout_seconds)
@@ -323,6 +353,10 @@ def main(argv: list[str]) -> int:
         return _fail(e, 2)
     except (NonFiniteError, CorruptCheckpoint) as e:
         return _fail(e, 1)
+    except (Stopped, SaveFailed) as e:  # every rank at the same step boundary
+        tr.metrics.close()
+        clean = True
+        return _fail(e, REQUEUE_EXIT if isinstance(e, Stopped) else 1)
     except Exception as e:  # a fault: its traceback follows; the launcher names the rank
         if why := timeout_message(e):
             return _fail(CommTimeout(f"{f'step {tr.step + 1}' if tr else 'start-up'}: {why}"), 1)

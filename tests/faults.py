@@ -2,6 +2,8 @@
 
 TESSERA_TEST_STALL="rank:step:seconds": that rank sleeps before that step (a stuck rank, for comm timeouts).
 TESSERA_TEST_NAN_STEPS="3,4": those steps' gradients are NaN on every rank (for the non-finite policy).
+TESSERA_TEST_STEP_SECONDS="0.5": every step takes that much longer (a run long enough to signal in mid-run).
+TESSERA_TEST_SAVE_SECONDS="3": every checkpoint's shard writing takes that much longer (to signal during a save).
 """
 
 import os
@@ -13,9 +15,10 @@ import torch
 from tessera import train
 
 
-def faulty(step_fn, stall: str = "", nan_steps: frozenset = frozenset()):
+def faulty(step_fn, stall: str = "", nan_steps: frozenset = frozenset(), step_seconds: float = 0.0):
     """`step_fn` (tessera.train.train_step) with the faults above."""
     def faulty_step(tr):
+        time.sleep(step_seconds)
         if stall:
             rank, step, seconds = (float(x) for x in stall.split(":"))
             if tr.world.rank == int(rank) and tr.step + 1 == int(step):
@@ -37,8 +40,22 @@ def faulty(step_fn, stall: str = "", nan_steps: frozenset = frozenset()):
     return faulty_step
 
 
+def slow_writes(writer_class, seconds: float) -> None:
+    """Each checkpoint shard's writing (a DCP writer's write_data) takes `seconds` longer."""
+    write_data = writer_class.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(seconds)
+        return write_data(self, plan, planner)
+    writer_class.write_data = slow
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     train.train_step = faulty(train.train_step, os.environ.get("TESSERA_TEST_STALL", ""),
-                              frozenset(int(s) for s in os.environ.get("TESSERA_TEST_NAN_STEPS", "").split(",") if s))
+                              frozenset(int(s) for s in os.environ.get("TESSERA_TEST_NAN_STEPS", "").split(",") if s),
+                              float(os.environ.get("TESSERA_TEST_STEP_SECONDS", "0")))
+    if os.environ.get("TESSERA_TEST_SAVE_SECONDS"):
+        from tessera.checkpoint.writer import HashingWriter
+        slow_writes(HashingWriter, float(os.environ["TESSERA_TEST_SAVE_SECONDS"]))
     sys.exit(train.main(sys.argv[1:]))

@@ -71,3 +71,50 @@ def test_torchtitan_log_gives_median_tokens_per_s_after_warmup_and_peak_memory()
     assert res["tokens_per_s"] == 30_000  # the median of steps 3-5
     assert res["peak_memory_gib"] == 91.25 and res["first_step_s"] == 8.192
     assert gpu_titan.read_log(log, warmup=5, tokens_per_step=8192)["status"].startswith("failed")
+
+
+@pytest.mark.fast
+def test_torchtitan_peer_trains_tesseras_llama3_sizes_with_the_configs_flags():
+    """TorchTitan 0.2.2 has no Llama 3 1B/3B: gpu_titan adds them from Tessera's table; the sizes must be those of
+    the model the other peers train (transformers' config of it), the FFN width by TorchTitan's FeedForward rule."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+    import gpu_titan
+
+    from tessera.models.llama3.args import FLAVORS
+    from tessera.models.llama3.hf import hf_config
+
+    for flavor in ("1B", "3B"):
+        t, hf = gpu_titan.titan_model_args(flavor), hf_config(FLAVORS[flavor])
+        hidden = int(t["ffn_dim_multiplier"] * int(2 * 4 * t["dim"] / 3))
+        hidden = t["multiple_of"] * -(-hidden // t["multiple_of"])
+        assert (t["dim"], t["n_layers"], t["n_heads"], t["n_kv_heads"], t["vocab_size"], hidden, t["rope_theta"],
+                t["rope_scaling"]["scaling_factor"]) == \
+            (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
+             hf["vocab_size"], hf["intermediate_size"], hf["rope_theta"], hf["rope_parameters"]["factor"])
+    run = {"flavor": "3B", "seq_len": 8192, "batch": 1, "steps": 9, "compile": True, "float8": "tensorwise",
+           "assets": "a", "data": "d", "dump": "o"}
+    flags = gpu_titan.titan_flags(run)
+    values = dict(zip(flags, flags[1:], strict=False))
+    assert values["--model.flavor"] == "3B" and values["--training.seq_len"] == "8192"
+    assert values["--quantize.linear.float8.recipe_name"] == "tensorwise" and "--compile.enable" in flags
+    assert values["--quantize.linear.float8.filter_fqns"] == "output"
+    assert "--compile.enable" not in gpu_titan.titan_flags({**run, "compile": False, "float8": None})
+    assert gpu_peers.titan_refusal("compile_float8_tensorwise", "3B") is None  # 0.2.2 has tensorwise
+    assert "no Llama 3 flavor" in gpu_peers.titan_refusal("bf16", "tiny")
+
+
+@pytest.mark.fast
+def test_gpu_moe_keeps_what_a_run_cut_short_measured_and_its_ratios():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu_moe
+
+    lines = [["layer", {"dim": 2048}], ["tessera_grouped", {"status": "ok", "tokens_per_s": 300.0, "peak_gib": 1.0}],
+             ["loop", {"status": "ok", "tokens_per_s": 100.0, "peak_gib": 2.0}]]
+    text = "\n".join(bench_gpu_moe.TAG + json.dumps(x) for x in lines) + "\ncompiling torchtitan_float8..."
+    cut = bench_gpu_moe.read_child(None, text, 120)  # killed at its time limit
+    assert cut["status"] == "timeout after 120s" and cut["loop"]["tokens_per_s"] == 100.0
+    line = bench_gpu_moe.layer_line("qwen3_30b_a3b", cut)
+    assert cut["tessera_grouped_over_loop"] == 3.0 and "grouped/loop 3.00x" in line
+    assert "tessera_grouped_over_torchtitan" not in cut and "torchtitan: not run" in line
+    assert bench_gpu_moe.read_child(0, text, 120)["status"] == "ok"

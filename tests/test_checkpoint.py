@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tessera.checkpoint.folder import DIGEST, digest_file
+from tessera.config import ConfigError
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.preflight import parse_args
 from tests.dist_worker import BASE, run_train
@@ -195,6 +196,7 @@ def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys, skipp
         warnings.simplefilter("always")
         resumed = run_train(["--job.dump_folder", str(resume_copy(dump, tmp_path / "copy", 8)), *CKPT], 8)
     assert resumed["start"] == 4  # fell back past the truncated step 8, then saved step 8 afresh, not over it
+    assert os.path.getsize(tmp_path / "copy/checkpoint/damaged/step-8/__0_0.distcp") == written // 2  # set aside
     assert not [w for w in caught if "overwrit" in str(w.message)], [str(w.message) for w in caught]
     skipped.clear()  # a whole launch (its pre-check, then the rank's look-up) says it once
     assert main([*BASE, "--job.dump_folder", str(resume_copy(dump, tmp_path / "main", 8)), *CKPT,
@@ -203,7 +205,8 @@ def test_corrupt_checkpoint_falls_back_or_names_the_file(tmp_path, capsys, skipp
                        f"{written // 2} bytes, {written} were written); falling back "
                        f"to an earlier one"], skipped
     os.remove(dump / "checkpoint/step-4/.metadata")
-    assert run_train(["--job.dump_folder", str(dump), *CKPT], 2)["start"] == 0  # nothing intact is left
+    with pytest.raises(ConfigError, match=f"every checkpoint under {dump}/checkpoint is damaged"):
+        run_train(["--job.dump_folder", str(dump), *CKPT], 2)  # nothing intact is left: not a silent restart
 
 
 def _flip_middle(file, count: int = 256) -> None:
@@ -275,7 +278,11 @@ def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skippe
                  "--checkpoint.create_seed_checkpoint"]) == 0
     assert DIGEST in json.loads((seed / "checkpoint/step-0/.complete").read_text())
     _flip_middle(seed / "checkpoint/step-0/__0_0.distcp")
-    assert run_train(["--job.dump_folder", str(seed), "--checkpoint.enable"], 2)["start"] == 0
+    with pytest.raises(ConfigError, match=f"every checkpoint under {seed}/checkpoint is damaged"):
+        run_train(["--job.dump_folder", str(seed), "--checkpoint.enable"], 2)
+    skipped.clear()
+    assert run_train(["--job.dump_folder", str(seed), "--checkpoint.enable",
+                      "--checkpoint.start_fresh_if_all_damaged"], 2)["start"] == 0
     assert len(skipped) == 1 and skipped[0].startswith(
         f"skipping checkpoint step 0 ({seed}/checkpoint/step-0/__0_0.distcp changed after it was written")
 

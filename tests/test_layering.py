@@ -141,11 +141,10 @@ MUTATORS = {"append", "add", "clear", "update", "setdefault", "pop", "popitem", 
             "discard"}
 
 
-def module_state(tree: ast.Module) -> set[str]:
-    """Names bound at module level to a mutable container (a dict, list or set) that the module changes: by a
-    mutating method, or by assigning or deleting an item or slice."""
+def mutable_bindings(body: list[ast.stmt]) -> set[str]:
+    """Names that the statements of `body` bind to a mutable container (a dict, list or set)."""
     containers = set()
-    for node in tree.body:
+    for node in body:
         value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
         mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
             isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in
@@ -153,15 +152,34 @@ def module_state(tree: ast.Module) -> set[str]:
         if mutable:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             containers |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return containers
+
+
+def changed_names(tree: ast.AST, attribute: bool) -> set[str]:
+    """Names whose container is changed anywhere in `tree`: by a mutating method, or by assigning or deleting an
+    item or slice; plain names (`x.add`), or with `attribute` the last name of a dotted one (`cls.x.add`)."""
+    def name(node: ast.expr) -> str | None:
+        if attribute:
+            return node.attr if isinstance(node, ast.Attribute) else None
+        return node.id if isinstance(node, ast.Name) else None
+
     changed = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS \
-                and isinstance(node.func.value, ast.Name):
-            changed.add(node.func.value.id)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            changed.add(name(node.func.value))
         for target in getattr(node, "targets", None) or ([node.target] if isinstance(node, ast.AugAssign) else []):
-            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
-                changed.add(target.value.id)
-    return containers & changed
+            if isinstance(target, ast.Subscript):
+                changed.add(name(target.value))
+    return changed - {None}
+
+
+def module_state(tree: ast.Module) -> set[str]:
+    """Names bound at module level, or in a class body (as `Class.name`: shared by every instance), to a mutable
+    container that the module changes."""
+    found = mutable_bindings(tree.body) & changed_names(tree, attribute=False)
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        found |= {f"{cls.name}.{n}" for n in mutable_bindings(cls.body) & changed_names(cls, attribute=True)}
+    return found
 
 
 def memoized(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -178,5 +196,6 @@ def test_no_new_process_wide_state():
     assert found == set(PROCESS_STATE), (sorted(found - set(PROCESS_STATE)), sorted(set(PROCESS_STATE) - found))
     memos = {f"{path.relative_to(ROOT)}:{n}": why for path in MODULES.values() for n, why in memoized(path)}
     assert len(memos) >= 3 and not [m for m, why in memos.items() if "Memoized safely" not in why], memos
-    removed = "_BUILT: dict = {}\n_warned: set[str] = set()\ndef f(k):\n    _BUILT[k] = 1\n    _warned.add(k)\n"
-    assert module_state(ast.parse(removed)) == {"_BUILT", "_warned"}  # the reader finds the kinds removed
+    removed = ("_BUILT: dict = {}\n_warned: set[str] = set()\ndef f(k):\n    _BUILT[k] = 1\n    _warned.add(k)\n"
+               "class G:\n    _groups: dict = {}\n    @classmethod\n    def new(cls, k):\n        cls._groups[k] = 1\n")
+    assert module_state(ast.parse(removed)) == {"_BUILT", "_warned", "G._groups"}  # the kinds removed are found

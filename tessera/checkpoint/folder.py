@@ -15,6 +15,7 @@ import os
 import re
 import tomllib
 from collections.abc import Collection
+from typing import NamedTuple
 
 import xxhash
 
@@ -136,9 +137,10 @@ def skip_message(step: int, problem) -> str:
     return f"skipping checkpoint step {step} ({problem}); falling back to an earlier one"
 
 
-def _usable(step: int, path: str, exact: bool, content: bool, report: bool, warned: set[str]) -> dict | None:
-    """The marker of a complete, intact checkpoint; None (logged when `report`) or, when `exact`, ValueError
-    otherwise."""
+def _usable(step: int, path: str, exact: bool, content: bool, report: bool, warned: set[str],
+            damaged: list | None = None) -> dict | None:
+    """The marker of a complete, intact checkpoint; None (logged when `report`; a complete one, damaged, added
+    to `damaged` as a Damaged) or, when `exact`, ValueError otherwise."""
     marker = read_marker(path)
     try:
         if marker is None:
@@ -149,17 +151,45 @@ def _usable(step: int, path: str, exact: bool, content: bool, report: bool, warn
             raise ValueError(f"checkpoint.load_step: step {step} at {path} is not usable: {e}") from None
         if report:
             warn_once(skip_message(step, e), warned)
+        if marker is not None and damaged is not None:
+            damaged.append(Damaged(step, path, marker.get("kind"), str(e)))
         return None
     return marker
 
 
+class Damaged(NamedTuple):
+    """A complete checkpoint (it has its marker) whose files do not match it."""
+    step: int
+    path: str
+    kind: str | None  # "full" or "model"
+    problem: str
+
+
+DAMAGED = "damaged"  # checkpoint.folder/damaged/step-N: damaged checkpoints set aside, kept for the user
+
+
+def all_damaged(root: str, found: tuple[int, str, dict] | None, damaged: Collection[Damaged]) -> str | None:
+    """The refusal of a resume whose every checkpoint is damaged (`found`: what is intact, if anything; a
+    weights-only one does not stand in for damaged full ones): it would start over from step 0. None otherwise."""
+    if not damaged or (found is not None and (found[2].get("kind") == "full"
+                                              or all(d.kind != "full" for d in damaged))):
+        return None
+    listed = "; ".join(f"step {d.step}: {d.problem}" for d in sorted(damaged, reverse=True))
+    over = f" from the weights-only step {found[0]}" if found is not None else " from step 0"
+    return (f"job.dump_folder: every checkpoint under {root} is damaged ({listed}), so the run would start over"
+            f"{over}; repair them, move them out of {root}, or set --checkpoint.start_fresh_if_all_damaged to "
+            f"train from step 0 (they are then moved to {os.path.join(root, DAMAGED)} and kept)")
+
+
 def resume_point(root: str, load_step: int = -1, content: bool = True, report: bool = True,
-                 skip: Collection[int] = (), warned: set[str] | None = None) -> tuple[int, str, dict] | None:
+                 skip: Collection[int] = (), warned: set[str] | None = None,
+                 damaged: list[Damaged] | None = None) -> tuple[int, str, dict] | None:
     """(step, path, marker) to start from: exactly `load_step` when >= 0, else the newest complete full
     checkpoint, else the newest complete weights-only one (a seed or a conversion). Raises ValueError for a
     `load_step` that is missing or unusable. `content`: check the files' digests too, not only their sizes
     (this reads the whole checkpoint); `report`: log the checkpoints skipped; `skip`: steps known damaged;
-    `warned`: what the run's earlier look-ups logged (not said again)."""
+    `warned`: what the run's earlier look-ups logged (not said again); `damaged`: gets the complete
+    checkpoints looked at and found damaged."""
     warned = set() if warned is None else warned
     folders = [(step, path) for step, path in step_folders(root) if step not in skip]
     if load_step >= 0:
@@ -174,7 +204,7 @@ def resume_point(root: str, load_step: int = -1, content: bool = True, report: b
         return load_step, path, marker
     weights_only = None
     for step, path in folders:
-        marker = _usable(step, path, exact=False, content=content, report=report, warned=warned)
+        marker = _usable(step, path, exact=False, content=content, report=report, warned=warned, damaged=damaged)
         if marker is None:
             continue
         if marker.get("kind") == "full":

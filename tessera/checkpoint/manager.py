@@ -7,12 +7,14 @@ save of a run is a full checkpoint like the others; the exports it may add (mode
 go to `exports/step-N/`, which resuming never reads.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
 import warnings
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -32,12 +35,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.checkpoint.folder import (
+    DAMAGED,
     DIGEST,
     EXPORTS,
     MARKER,
     MODEL_RECORD,
     CorruptCheckpoint,
+    Damaged,
+    all_damaged,
     read_marker,
+    read_saved_config,
     resume_point,
     skip_message,
     step_folders,
@@ -47,12 +54,14 @@ from tessera.checkpoint.folder import (
     write_marker,
 )
 from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
+from tessera.checkpoint.space import save_failure
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
+from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
-from tessera.models import args_to_json
-from tessera.optim import resume_lr
+from tessera.models import args_to_json, family
+from tessera.optim import keep_settings, resume_lr, settings_changed
 
 log = logging.getLogger("tessera")
 # DCP in one process (no process group) says so on every save and load; that is the intended use here.
@@ -126,11 +135,24 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
         return None
     root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
     warned: set[str] = set()  # this run's: each look-up below re-reads the folders, each skip is said once
+    broken: dict[int, Damaged] = {}  # the complete checkpoints found damaged, by step
+
+    def look():
+        found_damaged: list[Damaged] = []
+        return resume_point(root, load_step, content=False, skip=skipped, warned=warned,
+                            damaged=found_damaged), found_damaged
+
     while True:
         try:
-            found = on_rank0(lambda: resume_point(root, load_step, content=False, skip=skipped, warned=warned))
+            found, by_size = on_rank0(look)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        broken.update({d.step: d for d in by_size})
+        if damaged is not None:
+            damaged.update(d.path for d in by_size)
+        if found is None or found[2].get("kind") != "full":
+            if (refusal := all_damaged(root, found, broken.values())) and not cfg.checkpoint.start_fresh_if_all_damaged:
+                raise ConfigError(refusal)
         if found is None:
             return None
         step, path, marker = found
@@ -144,6 +166,7 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             raise ConfigError(f"checkpoint.load_step: step {step} at {path} is not usable: {problem}")
         warn_once(skip_message(step, problem), warned)
         skipped.append(step)
+        broken[step] = Damaged(step, path, marker.get("kind"), problem)
         if damaged is not None:
             damaged.add(path)
 
@@ -179,9 +202,15 @@ class Checkpointer:
         # Async saves run collectives from a background thread: give them their own group.
         self.pg = dist.new_group(backend="gloo") if self.distributed and self.c.async_mode != "disabled" else None
         self.pending: Future | None = None
+        self.settled = threading.Event()  # the save in flight has ended (set by its callback)
+        self.failure: str | None = None  # a save that failed, in one line (save_failure)
+        self.need_bytes = 0  # an estimate of one checkpoint's size, until one is written
         self.stall_s = 0.0  # training time lost to saving since the last report
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
+        # What the data position depends on (data files, tokenizer), recorded in each full checkpoint.
+        self.inputs = inputs_print(cfg) if rank == 0 and self.c.enable and not family(cfg.model.name).own_data \
+            else None
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, model_only: bool, dtype: torch.dtype | None = None) -> dict:
@@ -206,28 +235,56 @@ class Checkpointer:
 
     def prepare(self, bytes_per_checkpoint: int) -> None:
         """Before the first step: the checkpoint folder can be written and has room for a checkpoint."""
+        self.need_bytes = bytes_per_checkpoint
         if self.c.enable:
             on_rank0(lambda: probe_writable(self.root, bytes_per_checkpoint))
 
-    def save(self, last: bool = False) -> None:
-        """A full checkpoint (synchronous at the end of the run), then, at the end, the exports asked for."""
+    def save(self, last: bool = False, sync: bool = False) -> None:
+        """A full checkpoint (synchronous at the end of the run, or when `sync`), then, at the end, the exports
+        asked for. A save that fails leaves `failure` (one line) for the step boundary to stop the run with."""
         start, step = time.perf_counter(), self.parts.progress.step
         self.wait()  # a new save never races one still in flight
         path = self._fresh_folder(os.path.join(self.root, f"step-{step}"))
         state, writer = self._state(model_only=False), HashingWriter(path)
-        if self.c.async_mode != "disabled" and not last:
-            self.pending = self._async_save(state, writer)
+        if self.c.async_mode != "disabled" and not (last or sync):
+            self.pending, self.settled = self._async_save(state, writer), threading.Event()
             self.pending.add_done_callback(
-                lambda f, p=path, s=step: f.exception() or self._finish(p, s, "full", writer.digests))
+                lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, done))
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._finish(path, step, "full", writer.digests)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+                error = None
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                error = e
+            self._settle(error, path, step, writer)
         stall = time.perf_counter() - start
         self.stall_s += stall
-        log.info(f"checkpoint step {step} {'queued' if self.pending else 'saved'} to {path} "
-                 f"(training stalled {stall:.2f}s)")
-        if last and (self.c.last_save_in_hf or self.c.last_save_model_only):
+        if self.failure is None:
+            log.info(f"checkpoint step {step} {'queued' if self.pending else 'saved'} to {path} "
+                     f"(training stalled {stall:.2f}s)")
+        if last and self.failure is None and (self.c.last_save_in_hf or self.c.last_save_model_only):
             self.export()
+
+    def _settle(self, outcome: Future | BaseException | None, path: str, step: int, writer: HashingWriter,
+                done: threading.Event | None = None) -> None:
+        """A save's end (in the background for an async one, given its future): its marker, or its folder
+        removed and `failure`."""
+        try:
+            error = outcome
+            if isinstance(outcome, Future):
+                error = RuntimeError("the save was cancelled") if outcome.cancelled() else outcome.exception()
+            if error is None:
+                try:
+                    self._finish(path, step, "full", writer.digests)
+                except OSError as e:  # the marker or the run record (rank 0): a full disk, most likely
+                    error = e
+            if error is not None:
+                if self.rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)  # every rank is done with it: DCP gathered them
+                self.failure = save_failure(step, path, self.root, error, self.need_bytes)
+        finally:
+            if done is not None:
+                done.set()
 
     def export(self) -> str:
         """The model alone, in export_dtype, at exports/step-N: Hugging Face safetensors or a DCP folder."""
@@ -258,11 +315,31 @@ class Checkpointer:
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
     def _fresh_folder(self, path: str) -> str:
-        """`path`, emptied of an earlier save's files (interrupted, damaged, or of a run resumed from an older
-        step) before any rank writes: they would be listed with this one's; the broadcast orders it first."""
+        """`path`, emptied of an earlier save's files (interrupted, or of a run resumed from an older step) before
+        any rank writes: they would be listed with this one's; the broadcast orders it first. A damaged checkpoint
+        there is set aside, not overwritten."""
+        if path in self.damaged:
+            self._set_aside(path)
         on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
-        self.damaged.discard(path)
         return path
+
+    def _set_aside(self, path: str) -> None:
+        """A damaged checkpoint moved to checkpoint.folder/damaged/ (neither resumed, purged nor overwritten there)
+        for the user to repair or delete."""
+        def move() -> str:
+            target = os.path.join(self.root, DAMAGED, os.path.basename(path))
+            for n in range(1, 1000):
+                if not os.path.exists(target):
+                    break
+                target = os.path.join(self.root, DAMAGED, f"{os.path.basename(path)}.{n}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(path, target)
+            return target
+
+        target = on_rank0(move)
+        if self.rank == 0:
+            log.warning(f"damaged checkpoint {path} moved to {target} (kept: repair or delete it)")
+        self.damaged.discard(path)
 
     def _async_save(self, state: dict, writer: HashingWriter) -> Future:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -281,6 +358,8 @@ class Checkpointer:
         if self.rank != 0:
             return
         records = write_run_record(path, self.cfg, self.model_args)
+        if kind == "full" and self.inputs:
+            records[INPUTS] = write_hashed(os.path.join(path, INPUTS), json.dumps(self.inputs, indent=1))
         if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
             os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind, {**digests, **records})
@@ -303,14 +382,20 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
+        """Until the save in flight has ended, its marker written or its failure recorded."""
         if self.pending is not None:
-            self.pending.result()
+            with contextlib.suppress(BaseException):  # its outcome is `_settle`'s to record
+                self.pending.result()
+            self.settled.wait()
             self.pending = None
 
     # ---- load ----------------------------------------------------------------------------------------
     def load(self, resume: tuple[int, str, dict] | None) -> None:
         """Resume from `resume` (a full checkpoint: everything; a seed: its weights, at step 0); else start from
         initial_load_path; else leave the fresh model."""
+        if self.damaged and (resume is None or resume[2]["kind"] != "full"):  # start_fresh_if_all_damaged
+            for path in sorted(self.damaged):
+                self._set_aside(path)
         if resume is not None:
             step, path, marker = resume  # content-checked by find_resume
             self.verified.add(path)
@@ -352,9 +437,19 @@ class Checkpointer:
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
         set_model_state_dict(tr.model, state["model"], options=StateDictOptions(strict=True))
         if "optimizer" in state:
+            built = [dict(group) for group in tr.optimizer.param_groups]
             set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
+            keep_settings(tr.optimizer, built)  # a setting changed on resume is applied, not the saved one
+            self._say_optimizer_changes(path)
         if "train" in state:
             self._load_train_state(tr, read_train(state["train"]), excluded)
+
+    def _say_optimizer_changes(self, path: str) -> None:
+        changed = settings_changed(read_saved_config(path).get("optimizer", {}), self.cfg.optimizer)
+        if changed and self.rank == 0:
+            log.warning(f"optimizer: {', '.join(changed)} since the checkpoint at {path}: applied from the next "
+                        f"step; the optimizer's moments are kept and the lr schedule continues from the step "
+                        f"reached with the new peak")
 
     @staticmethod
     def _load_train_state(tr: Saved, train: dict, excluded: set[str]) -> None:

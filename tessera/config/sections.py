@@ -11,6 +11,7 @@ MX_RECIPES = ("mxfp8_cublas", "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                 "DualPipeV")
 LOADABLE_PARTS = ("optimizer", "train_state", "lr_scheduler", "dataloader", "rng")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")  # checkpoint.save_on_signal: what a scheduler sends before a kill
 
 
 def opt(default: Any, doc: str, *, choices: tuple = (), min: float | None = None, max: float | None = None,
@@ -254,6 +255,15 @@ class Checkpoint:
     exclude_from_loading: list[str] = opt([], "parts not to load: optimizer, train_state, lr_scheduler, dataloader, "
                                               "rng")
     enable_first_step_checkpoint: bool = opt(False, "also save after step 1")
+    start_fresh_if_all_damaged: bool = opt(False, "when every checkpoint in the folder is damaged, train from step "
+                                           "0 instead of refusing; the damaged ones are moved to its damaged/ "
+                                           "folder and kept")
+    accept_changed_data: bool = opt(False, "resume the saved data position although training.dataset_path's files "
+                                    "or the tokenizer changed since the checkpoint (on purpose, e.g. documents "
+                                    "appended); off: such a resume is refused")
+    save_on_signal: list[str] = opt(["SIGTERM"], "signals (SIGTERM, SIGUSR1, SIGUSR2) that stop the run after the "
+                                    "step in progress, with a checkpoint of it, exit status 143 (for a requeue); "
+                                    "empty = the signals' own action")
 
 
 @dataclass

@@ -72,8 +72,8 @@ class Experts(nn.Module):
         if self.grouped and _grouped_ok(x, w1, w2):
             offsets = counts.cumsum(0).to(torch.int32)
 
-            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return torch._grouped_mm(a, w.transpose(-2, -1), offsets)
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # offs by keyword: torchao's Float8 weights
+                return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # quantize only a call that names it
         else:  # the oracle: one matmul per expert
             sizes = counts.tolist()
 
