@@ -48,7 +48,7 @@ def loss_grid(a) -> dict:
             tr = make_trainer(flags(a, name, lr, a.steps))
             losses = []
             for _ in range(a.steps):
-                loss, _, _ = train_step(tr)
+                loss = train_step(tr)[0]
                 tr.step += 1
                 losses.append(float(loss))
             tr.metrics.close()

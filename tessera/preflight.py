@@ -221,6 +221,7 @@ def _check_resumed_optimizer(cfg: JobConfig, path: str, saved: dict) -> None:
 # checked as it loads; streamed data read from another path may be the same documents moved, and is only named.)
 DATA_ORDER = {"dataset": "samples of the dataset {}", "seed": "samples in the order of seed {}",
               "seq_len": "windows of seq_len {}", "dataset_text_field": "documents of the text field {}",
+              "dataset_format": "examples of {} data",
               "data_streams": "documents dealt to {} streams"}
 
 
@@ -275,6 +276,7 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
     elif tokens.wanted(t):
         tokens.check(cfg)
+    sources.check_validation_path(cfg)
     if cfg.model.hf_assets_path:
         path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
         try:
@@ -292,13 +294,17 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     from tessera.data.sample import RunReads
 
     t = cfg.training
+    if t.dataset_format != "text" and not family(cfg.model.name).own_data:
+        from tessera.data.examples import check_examples
+
+        return check_examples(cfg)
     if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).own_data:
         return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    held_out = cfg.validation.enable and not cfg.validation.dataset_path  # record 100, 200, ... of the files
     reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
-                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp
-                     if cfg.validation.enable else 0)
-    sources.check_files(t.dataset_path, t.dataset_text_field, cfg.validation.enable, t.max_bad_records, reads)
+                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp if held_out else 0)
+    sources.check_files(t.dataset_path, t.dataset_text_field, held_out, t.max_bad_records, reads)
 
 
 def _check_family(cfg: JobConfig, args, dims: ParallelDims) -> None:

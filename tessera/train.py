@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tessera.checkpoint.hf import HFError
 from tessera.checkpoint.manager import CorruptCheckpoint
 from tessera.config import ConfigError
+from tessera.data.masks import trained_tokens
 from tessera.distributed import World, init_world, set_timeout, shutdown, timeout_message, world_size_from_env
 from tessera.experts import reset_statistics
 from tessera.memory import live_memory, live_memory_metrics
@@ -22,7 +23,7 @@ from tessera.preflight import help_text, parse_args, validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
 from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
-from tessera.trainer import Trainer, build_trainer, run_view
+from tessera.trainer import Trainer, build_trainer, micro_batches, run_view
 
 log = logging.getLogger("tessera")
 
@@ -45,21 +46,27 @@ def dp_mean(value: torch.Tensor, world: World) -> float:
     return value.item()
 
 
+def dp_cp_sum(value: torch.Tensor, world: World) -> torch.Tensor:
+    """The sum over the ranks that hold different tokens (data and context parallel)."""
+    if world.dims.dp * world.dims.cp > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=world.flat["dp_cp"].get_group())
+    return value
+
+
 def forward_backward(tr: Trainer, inputs: dict, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
-    """Loss of one micro-batch (divided by grad_accum when training), with its backward when training; `inputs`:
-    the model's by keyword. Under pipelining the schedule runs both (the first stage takes the tokens, every stage
-    the rest); only the last stage sees the loss (others return 0)."""
+    """Loss of one micro-batch times tr.loss_scale (the auxiliary loss divided by grad_accum when training), with
+    its backward when training; `inputs`: the model's by keyword. Under pipelining the schedule runs both (the
+    first stage takes the tokens, every stage the rest); only the last stage sees the loss (others return 0)."""
     pipe = tr.pipeline
     if tr.labels_in_forward:
         inputs = {**inputs, "labels": labels}
     with loss_context(tr.loss_parallel):
         if pipe is None:
             with tr.autocast:
-                # Micro-batches hold equal token counts, so the mean of means is the global mean.
-                loss = tr.loss_fn(tr.model(**inputs), labels)
+                loss = tr.loss_fn(tr.model(**inputs), labels) * tr.loss_scale.value
                 if tr.extra_loss is not None:
-                    loss = loss + tr.extra_loss(tr.model)
-                loss = loss / (tr.grad_accum if train else 1)
+                    loss = loss + tr.extra_loss(tr.model) / (tr.grad_accum if train else 1)
             if train:
                 loss.backward()
             return local(loss.detach())
@@ -72,8 +79,27 @@ def forward_backward(tr: Trainer, inputs: dict, labels: torch.Tensor, train: boo
                 return_outputs=False, **rest)
     if not losses:
         return torch.zeros((), device=tr.world.device)
-    loss = local(torch.stack([local(x) for x in losses]).sum().detach())
-    return loss if train else loss * tr.grad_accum  # the schedule's loss_fn divides by grad_accum
+    return local(torch.stack([local(x) for x in losses]).sum().detach())
+
+
+def step_batches(tr: Trainer, times: list[float]):
+    """The step's micro-batches, each one's loading time appended to `times`."""
+    for _ in range(tr.grad_accum):
+        start = time.perf_counter()
+        batch = tr.batch_fn(tr.loader)
+        times.append(time.perf_counter() - start)
+        yield batch
+
+
+def set_loss_scale(tr: Trainer, labels: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """Before a step: the token loss's scale from the trained tokens of the whole global batch (`labels`: this
+    rank's micro-batches'), which it returns; a family's own mean loss: 1 / its micro-batches."""
+    if labels is None:
+        tr.loss_scale.value = 1.0 / micro_batches(tr.cfg, tr.world, tr.grad_accum)
+        return None
+    trained = dp_cp_sum(torch.stack([trained_tokens(y) for y in labels]).sum().float(), tr.world)
+    tr.loss_scale.value = tr.world.dims.dp * tr.world.dims.cp / trained.clamp(min=1)
+    return trained
 
 
 def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
@@ -83,20 +109,23 @@ def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
     return value
 
 
-def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns (local loss, grad norm, data seconds), or None
+def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]:
+    """One optimizer step over `grad_accum` micro-batches; returns (local loss, grad norm, data seconds, trained
+    tokens of the global batch (None for a family's own loss)), or None
     under fault tolerance when the replica groups' quorum did not commit it (nothing applied; run it again)."""
     if tr.replicas is not None:
         tr.replicas.begin_step()  # this step's quorum; a group behind the others recovers from a live one here
     tr.optimizer.zero_grad()
     for side in tr.side_losses:
         side.reset()
-    loss_total, data_s = torch.zeros((), device=tr.world.device), 0.0
-    for _ in range(tr.grad_accum):
-        start = time.perf_counter()
-        inputs, labels = tr.batch_fn(tr.loader)
-        data_s += time.perf_counter() - start
+    loss_total, times = torch.zeros((), device=tr.world.device), []
+    batches = step_batches(tr, times)
+    if tr.token_loss:  # all loaded first: the step's loss is normalized by their trained tokens
+        batches = list(batches)
+    trained = set_loss_scale(tr, [labels for _, labels in batches] if tr.token_loss else None)
+    for inputs, labels in batches:
         loss_total += forward_backward(tr, inputs, labels)
+    data_s = sum(times)
     loss_total = pp_share(loss_total, tr)
     if tr.replicas is not None:
         tr.replicas.average_gradients()
@@ -118,7 +147,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float]:
         if tr.balancer is not None:
             tr.balancer.after_step()
     tr.scheduler.step()
-    return loss_total, grad_norm, data_s
+    return loss_total, grad_norm, data_s, trained
 
 
 def skip_update(tr: Trainer) -> None:
@@ -145,19 +174,25 @@ def raise_if_nonfinite(tr: Trainer) -> None:
 def validate_loss(tr: Trainer) -> float:
     tr.model.eval()
     tr.val_loader.rewind()
-    total = torch.zeros((), device=tr.world.device)
+    total, trained = torch.zeros((), device=tr.world.device), torch.zeros((), device=tr.world.device)
+    # The token loss: summed, then divided by the trained tokens of all batches; a family's: a mean per batch.
+    tr.loss_scale.value = 1.0 if tr.token_loss else 1.0 / micro_batches(tr.cfg, tr.world, 1)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = tr.batch_fn(tr.val_loader)
         total += forward_backward(tr, inputs, labels, train=False)
+        trained += trained_tokens(labels) if tr.token_loss else 0
     tr.model.train()
-    return dp_mean(pp_share(total, tr) / tr.cfg.validation.steps, tr.world)
+    total = pp_share(total, tr)
+    if tr.token_loss:
+        return (dp_cp_sum(total, tr.world) / dp_cp_sum(trained, tr.world).clamp(min=1)).item()
+    return dp_mean(total / tr.cfg.validation.steps, tr.world)
 
 
 def train(tr: Trainer) -> None:
     t, m = tr.cfg.training, tr.cfg.metrics
     # Per device: TP/PP/CP ranks of one data-parallel replica share its tokens, so each counts once.
     tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
-    window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
+    window_start, window_data_s, window_steps, window_trained = time.perf_counter(), 0.0, 0, 0.0
     first_step = tr.step
     with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr), \
             StopRequest(tr.cfg.checkpoint.save_on_signal, tr.world.size) as stop:
@@ -166,7 +201,7 @@ def train(tr: Trainer) -> None:
             stepped = train_step(tr)
             if stepped is None:  # fault tolerance: not committed by the replica groups' quorum
                 continue
-            loss, grad_norm, data_s = stepped
+            loss, grad_norm, data_s, trained = stepped
             if tr.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
                 set_timeout(tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
                 if tr.cfg.compile.enable:
@@ -176,12 +211,14 @@ def train(tr: Trainer) -> None:
             after_step()
             tr.tokens_seen += int(tokens_per_step * tr.world.size)
             window_data_s, window_steps = window_data_s + data_s, window_steps + 1
+            window_trained = window_trained + trained if trained is not None else None
             last = tr.step == t.steps
             if tr.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.step, last):
                 raise_if_nonfinite(tr)
             if tr.step % m.log_freq == 0 or last:
-                log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start)
-                window_start, window_data_s, window_steps = time.perf_counter(), 0.0, 0
+                log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start,
+                           None if window_trained is None else window_trained / window_steps)
+                window_start, window_data_s, window_steps, window_trained = time.perf_counter(), 0.0, 0, 0.0
             # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
             if tr.checkpointer.should_save(tr.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
@@ -220,8 +257,9 @@ def stop_and_save(tr: Trainer, stop: StopRequest, asked: str) -> None:
 
 
 def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: float, data_s: float,
-               start: float) -> None:
-    """The metrics of the steps since the last log (`tokens` per device in them), at the last one's step."""
+               start: float, trained: torch.Tensor | None = None) -> None:
+    """The metrics of the steps since the last log (`tokens` per device in them; `trained`: the trained tokens
+    of the global batch per step), at the last one's step."""
     if tr.world.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -232,6 +270,8 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
               "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
               "data_share": data_s / elapsed, "checkpoint_stall_s": stall,
               "samples_per_s": tps / tr.cfg.training.seq_len}  # sequences (Flux: images) per second per device
+    if trained is not None:
+        record["trained_tokens"] = float(trained)  # per step, global: tokens_seen counts every token
     if tr.cfg.training.nonfinite_policy == "skip":
         record["skipped_steps"] = tr.skipped_steps
     if getattr(tr.loader, "mixture", None) is not None:  # the realized share of each dataset so far

@@ -16,6 +16,7 @@ from tessera import architecture, experts, models
 from tessera.checkpoint.manager import Checkpointer, Progress, Saved, find_resume, probe_writable, write_run_record
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_dataloader, build_tokenizer
+from tessera.data.masks import IGNORE
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.ft import check as ft_check
@@ -47,6 +48,15 @@ class Pipeline:
 
 
 @dataclass
+class LossScale:
+    """What each micro-batch's loss is multiplied by, set before the step (or evaluation) that uses it: for the
+    token cross-entropy, a sum over trained tokens, the ranks that see different data over the step's trained
+    tokens in the whole global batch (gradients are averaged over those ranks: the step's loss is the mean over its
+    trained tokens); for a family's own (mean) loss, 1 / its micro-batches per step."""
+    value: torch.Tensor | float = 1.0
+
+
+@dataclass
 class Trainer:
     cfg: JobConfig
     world: World
@@ -67,6 +77,8 @@ class Trainer:
     loss_parallel: bool
     loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss";
     # model_loss when the model computes it (labels_in_forward)
+    loss_scale: LossScale  # what loss_fn's value is multiplied by (the pipeline schedule's loss reads it too)
+    token_loss: bool  # loss_fn sums the token cross-entropy over trained tokens (else: the family's own mean)
     batch_fn: Callable  # (loader) -> this rank's (model inputs by keyword, labels) on its device: the family's
     # hook, or token_batch, given the run's BatchView
     extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
@@ -108,9 +120,11 @@ def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp
     """Whole windows [batch, seq] -> the model's keyword inputs and the labels, this rank's chunks of each
     sequence under context parallelism: `tokens`; with `bos` (block-causal masking: a document starts at each
     BOS and at the window's start) each token's `documents` number and its place in it (`positions`, from 0 at
-    each document's start); under context parallelism the `positions` of its tokens in any case."""
+    each document's start), and a document's BOS is no label (IGNORE: the last token of one document does not
+    predict the first of the next); under context parallelism the `positions` of its tokens in any case."""
     inputs = {"tokens": tokens}
-    if bos is not None:
+    if bos is not None:  # the target that starts the next document is not predicted from the one before
+        labels = labels.masked_fill(labels == bos, IGNORE)
         inputs["documents"] = (tokens == bos).cumsum(1)
         inputs["positions"] = document_positions(inputs["documents"])
     elif cp_mesh is not None:
@@ -123,7 +137,8 @@ def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    """The token cross-entropy summed over the trained tokens (labels IGNORE are not); LossScale normalizes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def model_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -153,10 +168,10 @@ def set_token_loss(cfg: JobConfig, world: World, model: nn.Module) -> None:
             module.loss_chunks, module.chunk_loss = cfg.training.loss_chunks, chunk_loss
 
 
-def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
-                loss: Callable) -> tuple[nn.Module, Pipeline | None]:
-    """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` is what
-    the pipeline schedule's last stage applies."""
+def build_model(cfg: JobConfig, world: World, args, loss: Callable,
+                scale: LossScale) -> tuple[nn.Module, Pipeline | None]:
+    """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` times
+    `scale` is what the pipeline schedule's last stage applies."""
     spec = models.family(cfg.model.name).spec()
     with torch.device("meta"):
         model = spec.model(args)
@@ -174,9 +189,8 @@ def build_model(cfg: JobConfig, world: World, args, grad_accum: int,
         spec.parallelize(part, world, cfg)
         _materialize(part, world, cfg)
         part.train()
-    share = micro_batches(cfg, world, grad_accum)
     schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
-                                    lambda out, labels: loss(out, labels) / share)
+                                    lambda out, labels: loss(out, labels) * scale.value)
     view = pp.parts_view(parts, spec.first_stage + spec.last_stage, spec.blocks)
     return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group(), parts)
 
@@ -269,8 +283,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
         check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
     per_pass = t.local_batch_size * world.dims.dp * ft_check.groups(cfg)  # fault tolerance: over replica groups too
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_pass
-    loss = step_loss(cfg, world, spec)
-    model, pipeline = build_model(cfg, world, args, grad_accum, loss)
+    loss, scale = step_loss(cfg, world, spec), LossScale()
+    model, pipeline = build_model(cfg, world, args, loss, scale)
     optimizer = build_optimizer(model, cfg.optimizer, param_role(models.family(cfg.model.name), spec.blocks))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
@@ -299,7 +313,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  checkpointer=Checkpointer(cfg, world.rank, args, saved, damaged), tokenizer=tokenizer,
                  grad_accum=grad_accum,
                  flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
-                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss,
+                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, loss_scale=scale,
+                 token_loss=spec.loss is None,
                  batch_fn=functools.partial(spec.batch or token_batch, BatchView(world, document_bos)),
                  extra_loss=spec.extra_loss,
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,

@@ -57,7 +57,7 @@ def step_and_record(tr, steps: int) -> dict:
     """Per-step losses and global grad norms, step-1 gradients and final parameters of `steps` train steps."""
     losses, norms, grads = [], [], None
     for step in range(steps):
-        loss, norm, _ = train_step(tr)
+        loss, norm = train_step(tr)[:2]
         tr.step += 1
         losses.append(dp_mean(loss, tr.world))
         norms.append(norm.item())

@@ -105,6 +105,17 @@ class Training:
                            "{NAME = WEIGHT}; a NAME is a folder under dataset_path (or a path); each dataset gives "
                            "its share of every block of 4096 samples", table=True)
     dataset_text_field: str = opt("text", "field holding the document text in json/jsonl/parquet/hub rows")
+    dataset_format: str = opt("text", "text (documents, every token trained), chat (conversations: a list of "
+                              "{role, content} messages in dataset_messages_field, rendered by chat_template) or "
+                              "prompt_completion (string fields prompt and completion); chat and prompt_completion "
+                              "read json/jsonl/parquet files, hub datasets or prepared folders (docs/sft.md)",
+                              choices=("text", "chat", "prompt_completion"))
+    dataset_messages_field: str = opt("messages", "chat: the field holding each conversation's messages")
+    chat_template: str = opt("auto", "chat: auto (the tokenizer's own chat_template from tokenizer_config.json, "
+                             "else plain) or plain (ROLE: CONTENT lines, each assistant turn ending in EOS; "
+                             "docs/sft.md)", choices=("auto", "plain"))
+    assistant_only_loss: bool = opt(True, "chat: train on the assistant turns only (false: every token); "
+                                    "prompt_completion: on the completion only (false: the prompt too)")
     data_streams: int = opt(64, "packed streams the documents are dealt to; a rank tokenizes only its streams' "
                             "documents, 1/gcd(data_streams, DP degree) of them; part of the data order: keep it "
                             "fixed for a run", min=1)
@@ -136,6 +147,8 @@ class Validation:
     enable: bool = opt(False, "evaluate loss on the held-out split")
     freq: int = opt(100, "evaluate every N steps", min=1)
     steps: int = opt(4, "batches per evaluation", min=1)
+    dataset_path: str = opt("", "training.dataset = files: a held-out file, folder or glob, read whole (in "
+                            "training.dataset_format), instead of record 100, 200, ... of training.dataset_path")
 
 
 @dataclass

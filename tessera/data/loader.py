@@ -10,6 +10,8 @@ import torch
 from tessera.config import ConfigError
 from tessera.config.sections import JobConfig
 from tessera.data import tokens
+from tessera.data.examples import example_loader_parts, read_from
+from tessera.data.masks import split_windows
 from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import documents
 from tessera.data.tokenizer import Tokenizer, encode_documents
@@ -34,15 +36,19 @@ class TokenLoader:
     """An infinite stream of windows of `seq_len + 1` tokens (input = window[:-1], label = window[1:]).
 
     Documents are dealt round-robin to S = `streams` packed streams: stream s concatenates `[bos] + doc + [eos]`
-    over documents s, s + S, s + 2S, ... of the endless document sequence (epoch after epoch), cut into windows.
+    over documents s, s + S, s + 2S, ... of the endless document sequence (epoch after epoch), cut into windows;
+    `encode` makes the tokens of a list of documents (default: that form; chat and prompt-completion examples,
+    tessera/data/examples.py, mark their untrained tokens, tessera/data/masks.py). A document longer than what is
+    left of a window continues in the stream's next window: nothing is dropped.
     Global sample i is window i // S of stream i % S. Each call hands out the next `local_batch_size * dp_degree`
     samples, rank r taking r, r + D, r + 2D, ... So the stream depends only on the global sample count and S:
     a checkpoint taken at one DP degree resumes exactly at another. Rank r reads every document but tokenizes only
     those of the streams it draws from, 1 / gcd(S, D) of them: tokenizing is what costs at scale.
     """
 
-    def __init__(self, tokenizer: Tokenizer, docs: Callable[[int], Iterator[str]], seq_len: int,
-                 local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, streams: int = 1):
+    def __init__(self, tokenizer: Tokenizer, docs: Callable[[int], Iterator], seq_len: int,
+                 local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, streams: int = 1,
+                 encode: Callable[[list], list[np.ndarray]] | None = None):
         if seq_len < 1 or local_batch_size < 1 or streams < 1:
             raise ValueError(f"seq_len, local_batch_size and streams must be >= 1, got {seq_len}, "
                              f"{local_batch_size} and {streams}")
@@ -55,6 +61,7 @@ class TokenLoader:
         self.dp_degree = dp_degree
         self.streams = streams
         self._docs = docs
+        self._encode = encode or functools.partial(encode_documents, tokenizer)
         self._window = seq_len + 1
         self.documents_tokenized = 0
         self._restart(0)
@@ -79,8 +86,7 @@ class TokenLoader:
         first = self.sample_index + self.dp_rank
         windows = np.stack([self._take(first + self.dp_degree * j) for j in range(self.local_batch_size)])
         self.sample_index += self.local_batch_size * self.dp_degree
-        windows = torch.from_numpy(windows.astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return split_windows(windows)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -162,9 +168,6 @@ class TokenLoader:
             self._doc_iter = iter(self._docs(self._epoch))
             self._epoch_has_docs = False
 
-    def _encode(self, texts: list[str]) -> list[np.ndarray]:
-        return encode_documents(self.tokenizer, texts)
-
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
                      bad: BadRecords | None = None):
@@ -177,5 +180,9 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degr
 
         return build_prepared_loader(cfg, tokenizer, dp_rank, dp_degree, split)
     bad = BadRecords(t.max_bad_records) if bad is None else bad
-    docs = functools.partial(documents, t.dataset, t.dataset_path, t.dataset_text_field, split, t.seed, bad=bad)
-    return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams)
+    _, path, read = read_from(cfg, split)
+    docs = functools.partial(documents, t.dataset, path, t.dataset_text_field, read, t.seed, bad=bad)
+    encode = None
+    if t.dataset_format != "text":
+        docs, encode = example_loader_parts(t, cfg.model.hf_assets_path, tokenizer, path, read, bad)
+    return TokenLoader(tokenizer, docs, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.data_streams, encode)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.config import ConfigError
+from tessera.data.examples import encode_examples, piece_examples, prepared_format
 from tessera.data.records import BadRecords, DataError, file_texts, is_json_array
 from tessera.data.sources import FILE_SUFFIXES, HUB_ALIASES, _hub_texts, _resolve_files, check_hub
 from tessera.data.tokenizer import build_tokenizer, encode_documents
@@ -39,15 +40,17 @@ from tessera.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, WORK, token_d
 
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 8 << 20  # documents tokenized per call: amortizes overhead, bounds memory
 _IDENTITY = ("format", "version", "inputs", "sources", "tokenizer", "text_field", "validation_every", "tasks",
-             "piece_bytes", "shard_tokens")  # what the output depends on: a resume must agree on all of it
+             "piece_bytes", "shard_tokens", "examples")  # what the output depends on: a resume must agree on all of it
 
 
 class ShardWriter:
     """A task's shards of one split: documents appended in order, a new part once `shard_tokens` would be passed
-    (documents are never cut). Each part is written under a temporary name and renamed when complete."""
+    (documents are never cut). Each part is written under a temporary name and renamed when complete. `masked`:
+    the documents mark their untrained tokens (~id); the ids go to .bin, a byte per token (1: trained) to .mask."""
 
-    def __init__(self, root: Path, split: str, task: int, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, root: Path, split: str, task: int, dtype: np.dtype, shard_tokens: int, masked: bool = False):
         self.root, self.split, self.task, self.dtype, self.shard_tokens = root, split, task, dtype, shard_tokens
+        self.suffixes = (".bin", ".idx", ".mask") if masked else (".bin", ".idx")
         self.parts: list[dict] = []
         self._bin = None
         (root / split).mkdir(parents=True, exist_ok=True)
@@ -68,19 +71,26 @@ class ShardWriter:
         self.close()
         self._name = f"{self.split}/{self.task:05d}-{len(self.parts):04d}"
         self._bin = open(self.root / f"{self._name}.bin.tmp", "wb")
+        self._mask = open(self.root / f"{self._name}.mask.tmp", "wb") if ".mask" in self.suffixes else None
         self._offsets = array("q", [0])
 
     def _write(self, group: list[np.ndarray]) -> None:
         if group:
-            self._bin.write(np.concatenate(group).astype(self.dtype).tobytes())
+            ids = np.concatenate(group)
+            if self._mask is not None:
+                self._mask.write((ids >= 0).astype(np.uint8).tobytes())
+                ids = np.where(ids < 0, ~ids, ids)
+            self._bin.write(ids.astype(self.dtype).tobytes())
             for doc in group:
                 self._offsets.append(self._offsets[-1] + len(doc))
 
     def close(self) -> list[dict]:
         if self._bin is not None:
             self._bin.close()
+            if self._mask is not None:
+                self._mask.close()
             (self.root / f"{self._name}.idx.tmp").write_bytes(self._offsets.tobytes())
-            for suffix in (".bin", ".idx"):
+            for suffix in self.suffixes:
                 os.replace(self.root / f"{self._name}{suffix}.tmp", self.root / f"{self._name}{suffix}")
             self.parts.append({"file": f"{self._name}.bin", "tokens": self._offsets[-1],
                                "documents": len(self._offsets) - 1})
@@ -117,16 +127,20 @@ class PrepareTask:
     def _run(self, rank: int, world_size: int) -> None:
         r, root, cpu = self.request, Path(self.output), time.process_time()
         tokenizer = build_tokenizer(r["tokenizer"]["path"])
-        writers = {s: ShardWriter(root, s, rank, np.dtype(r["dtype"]), r["shard_tokens"]) for s in SPLITS}
+        writers = {s: ShardWriter(root, s, rank, np.dtype(r["dtype"]), r["shard_tokens"], bool(r.get("examples")))
+                   for s in SPLITS}
+        fmt = prepared_format(r.get("examples"), r["tokenizer"]["path"])
         bad = BadRecords(self.max_bad_records, option="--max_bad_records")
         progress = _Progress(root / WORK / "progress" / f"{rank:05d}")
         read = 0
         for piece in self.pieces[rank]:
             texts, chars, seen = [], 0, 0
-            for text in _piece_texts(piece, r, bad, rank, world_size):
+            items = _piece_texts(piece, r, bad, rank, world_size) if fmt is None else \
+                piece_examples(fmt, Path(piece["path"]), bad, piece["start"], piece["end"])
+            for text in items:
                 if text is not None:
                     texts.append(text)
-                    chars += len(text)
+                    chars += len(text if fmt is None else text.text)
                 if len(texts) >= _CHUNK_DOCS or chars >= _CHUNK_CHARS:
                     self._tokenize(texts, tokenizer, writers)
                     seen += chars if piece["kind"] == "file" else len(texts)  # characters: about the bytes
@@ -143,9 +157,10 @@ class PrepareTask:
     def _tokenize(self, texts: list[str], tokenizer, writers: dict[str, ShardWriter]) -> None:
         if not texts:
             return
-        every = self.request["validation_every"]
-        held = [bool(every) and zlib.crc32(t.encode("utf-8", "surrogatepass")) % every == 0 for t in texts]
-        docs = encode_documents(tokenizer, texts)
+        every, plain = self.request["validation_every"], isinstance(texts[0], str)  # else chat.Rendered examples
+        held = [bool(every) and zlib.crc32((t if plain else t.text).encode("utf-8", "surrogatepass")) % every == 0
+                for t in texts]
+        docs = encode_documents(tokenizer, texts) if plain else encode_examples(tokenizer, texts)
         writers["train"].add([d for d, h in zip(docs, held, strict=True) if not h])
         writers["validation"].add([d for d, h in zip(docs, held, strict=True) if h])
 
@@ -266,12 +281,19 @@ def build_request(a: argparse.Namespace) -> tuple[dict, list[list[dict]], int]:
                              "path": os.path.abspath(tokenizer_path) if tokenizer_path else ""},
                "dtype": token_dtype(tokenizer.vocab_size).name, "text_field": a.text_field,
                "validation_every": a.validation_every, "tasks": tasks, "piece_bytes": int(a.piece_mb * 2 ** 20),
-               "shard_tokens": a.shard_tokens}
+               "shard_tokens": a.shard_tokens, "examples": None if a.format == "text" else {
+                   "kind": a.format, "messages_field": a.messages_field, "chat_template": a.chat_template,
+                   "assistant_only": not a.all_tokens}}
+    if hub and a.format != "text":
+        raise DataError(f"--format {a.format}: prepares local files; for a Hub dataset, save it as .jsonl or .parquet "
+                        f"first (or train on it streamed, training.dataset_format = {a.format!r})")
+    if a.format != "text":
+        prepared_format(request["examples"], tokenizer_path)  # the template compiles
     return request, pieces, sum(p["size"] for task in pieces for p in task)
 
 
 def _identity(request: dict) -> dict:
-    return {k: request[k] if k != "tokenizer" else {**request[k], "path": None} for k in _IDENTITY}
+    return {k: request.get(k) if k != "tokenizer" else {**request[k], "path": None} for k in _IDENTITY}
 
 
 def claim_output(output: Path, request: dict) -> bool:
@@ -330,7 +352,7 @@ class Finish:
         if not splits["train"]["tokens"]:
             raise DataError(f"--input: no text in {', '.join(request['inputs'])}: every document is empty or bad "
                             f"({bad} bad record(s){f', the first {first}' if first else ''})")
-        manifest = {**{k: request[k] for k in _IDENTITY if k not in ("format", "version")}, "format": FORMAT,
+        manifest = {**{k: request.get(k) for k in _IDENTITY if k not in ("format", "version")}, "format": FORMAT,
                     "version": VERSION, "dtype": request["dtype"], "splits": splits,
                     "bad_records": {"count": bad, "first": first}}
         _write_json(root / MANIFEST, manifest)
@@ -410,6 +432,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="folder holding tokenizer.json (+ tokenizer_config.json), as "
                    "model.hf_assets_path; empty: the built-in byte tokenizer")
     p.add_argument("--text_field", default="text", help="field holding the text in jsonl/parquet/Hub rows")
+    p.add_argument("--format", default="text", choices=("text", "chat", "prompt_completion"),
+                   help="as training.dataset_format: chat and prompt_completion store a loss mask beside the tokens")
+    p.add_argument("--messages_field", default="messages", help="chat: the field holding the messages")
+    p.add_argument("--chat_template", default="auto", choices=("auto", "plain"), help="as training.chat_template")
+    p.add_argument("--all_tokens", action="store_true", help="train every token (training.assistant_only_loss = "
+                   "false); default: the assistant turns / the completion only")
     p.add_argument("--hub_config", default="", help="Hub dataset config (c4: en)")
     p.add_argument("--hub_split", default="train", help="Hub split to read")
     p.add_argument("--validation_every", type=int, default=100,

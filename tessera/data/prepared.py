@@ -18,6 +18,7 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.data import tokens
+from tessera.data.masks import split_windows
 from tessera.data.records import DataError
 
 log = logging.getLogger("tessera")
@@ -149,12 +150,12 @@ class PreparedLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), both LongTensor [local_batch_size, seq_len], for this rank."""
         mine = self.sample_index + self.dp_rank + self.dp_degree * np.arange(self.local_batch_size)
-        windows = torch.from_numpy(self.samples(mine).astype(np.int64))
+        windows = self.samples(mine)
         self.sample_index += self.local_batch_size * self.dp_degree
         self._calls += 1
         if self.mixture is not None and self.log_every and self._calls % self.log_every == 0 and self.dp_rank == 0:
             log.info(f"data mix over samples [0, {self.sample_index:,}): {self.describe_shares()}")
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return split_windows(windows)
 
     def __iter__(self):
         while True:

@@ -126,7 +126,9 @@ def json_records(f, file: Path, start: int = 0, end: int | None = None) -> Itera
             yield f"byte {pos - len(raw)}" if start else f"line {n}", raw, pos, None
 
 
-def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadRecords, first: bool) -> str | None:
+def json_object(raw: bytes, file: Path, where: str, bad: BadRecords, wants: str) -> dict | None:
+    """The JSON object of a record, or None when it is not one (counted in `bad`; `wants` says what it should
+    hold, e.g. "a 'text' field")."""
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -134,7 +136,14 @@ def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadReco
     except json.JSONDecodeError as e:
         return bad.skip(file, where, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
     if not isinstance(row, dict):
-        return bad.skip(file, where, f"{_type(row)} (JSON), not an object with a {text_field!r} field")
+        return bad.skip(file, where, f"{_type(row)} (JSON), not an object with {wants}")
+    return row
+
+
+def _json_text(raw: bytes, file: Path, where: str, text_field: str, bad: BadRecords, first: bool) -> str | None:
+    row = json_object(raw, file, where, bad, f"a {text_field!r} field")
+    if row is None:
+        return None
     if text_field not in row:
         if first:
             raise missing_field(file, text_field, list(row))

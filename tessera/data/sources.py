@@ -15,6 +15,7 @@ from tessera.data.records import BadRecords, DataError, file_texts, how_to_fix, 
 from tessera.data.sample import RunReads, check_bad_rate
 
 SPLITS = ("train", "validation")
+WHOLE = "whole"  # files read whole, no record held out: a held-out file of its own (validation.dataset_path)
 LOCAL = ("stdlib", "files", "tokenized")  # the datasets that need no Hub (tokenized: tessera/data/prepared.py)
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # Hub shortcuts: name -> (hub id, config).
@@ -30,14 +31,18 @@ def documents(dataset: str, path: str, text_field: str, split: str, seed: int, e
               bad: BadRecords | None = None) -> Iterator[str]:
     """The non-empty documents of `split` for one epoch; bad records are counted in `bad` (None: the first one
     raises DataError). Errors in the configuration surface here, not on first use."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split(dataset, split)
     check_dataset(dataset, path)
     if dataset == "stdlib":
         return _stdlib_documents(split, seed, epoch)
     if dataset == "files":
         return _file_documents(_resolve_files(path), text_field, split, BadRecords(0) if bad is None else bad)
     return _hub_documents(dataset, path, text_field, split, seed, epoch)
+
+
+def check_split(dataset: str, split: str) -> None:
+    if split not in SPLITS and not (split == WHOLE and dataset == "files"):
+        raise ValueError(f"split must be one of {SPLITS} (or {WHOLE!r} for files), got {split!r}")
 
 
 def check_dataset(dataset: str, path: str) -> None:
@@ -112,7 +117,7 @@ def _file_documents(files: list[Path], text_field: str, split: str, bad: BadReco
     k = 0
     for file in files:
         for text in file_texts(file, text_field, bad):
-            if (k % _FILES_HOLDOUT_MOD == _FILES_HOLDOUT_MOD - 1) == want_val and text is not None:
+            if (split == WHOLE or (k % _FILES_HOLDOUT_MOD == _FILES_HOLDOUT_MOD - 1) == want_val) and text is not None:
                 yield text
             k += 1
 
@@ -136,6 +141,25 @@ def check_files(path: str, text_field: str, validation: bool, max_bad_records: i
     if validation and next(_file_documents(files, text_field, "validation", bad), None) is None:
         raise DataError(f"validation.enable: the validation split of {named} is empty: it holds out record 100, "
                         f"200, ... and the data has fewer; add data, or set validation.enable = false")
+
+
+def check_validation_path(cfg) -> None:
+    """validation.dataset_path: raw files beside raw training files, holding a document (text; chat and
+    prompt-completion examples are checked by tessera.data.examples.check_examples)."""
+    from tessera.data import tokens
+
+    v, t = cfg.validation, cfg.training
+    if not (v.enable and v.dataset_path):
+        return
+    if t.dataset != "files" or tokens.wanted(t):
+        raise DataError(f"validation.dataset_path: a held-out file is read beside training.dataset = 'files' (raw "
+                        f"files), not {t.dataset!r}{' (prepared)' if t.dataset == 'files' else ''}; leave it empty "
+                        f"to validate on the held-out split")
+    files = _resolve_files(v.dataset_path, key="validation.dataset_path")
+    if t.dataset_format == "text" and next(_file_documents(files, t.dataset_text_field, WHOLE,
+                                                           BadRecords(-1, quiet=True)), None) is None:
+        raise DataError(f"validation.dataset_path: no document in {v.dataset_path!r}: its records are all bad or "
+                        f"empty")
 
 
 # --- hub datasets via `datasets` streaming ------------------------------------------------------------------
@@ -163,6 +187,12 @@ def check_hub(dataset: str, path: str, timeout_s: float = 3.0) -> None:
 
 
 def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: int, epoch: int) -> Iterator[str]:
+    ds, source = hub_rows(dataset, path, split, seed, epoch)
+    return _hub_texts(ds, text_field, source)
+
+
+def hub_rows(dataset: str, path: str, split: str, seed: int, epoch: int):
+    """(the streamed rows of `split` of a hub dataset, shuffled for training; its name)."""
     check_hub(dataset, path)
     import datasets  # deferred: importing `datasets` takes seconds and most runs never need it
 
@@ -177,7 +207,7 @@ def _hub_documents(dataset: str, path: str, text_field: str, split: str, seed: i
         raise DataError(f"training.dataset: could not load {source!r} ({dataset!r}): {detail}") from e
     if split == "train":
         ds = ds.shuffle(seed=seed * 1000 + epoch, buffer_size=_HUB_SHUFFLE_BUFFER)
-    return _hub_texts(ds, text_field, source)
+    return ds, source
 
 
 def _hub_texts(rows, text_field: str, source: str) -> Iterator[str]:

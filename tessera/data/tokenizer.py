@@ -78,6 +78,11 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        """The ids of `text` and each one's [start, end) characters in it ([n, 2])."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

@@ -75,42 +75,53 @@ class TokenShards:
                  check: bool = True):
         self.folder, self.split = folder, split
         self.dtype = np.dtype(manifest["dtype"])
+        self.masked = bool(manifest.get("examples"))  # chat / prompt-completion: a loss mask beside the tokens
         shards = manifest["splits"].get(split, {}).get("shards", [])
         for shard in shards if check else ():
-            check_shard(folder, shard, self.dtype, key)
+            check_shard(folder, shard, self.dtype, key, self.masked)
         self.files = [os.path.join(folder, s["file"]) for s in shards]
         self.bounds = np.cumsum([0] + [s["tokens"] for s in shards], dtype=np.int64)
         self.tokens = int(self.bounds[-1])
         self.documents = sum(s["documents"] for s in shards)
-        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, str], np.memmap] = OrderedDict()
         self.bytes_read = 0
 
-    def _map(self, k: int) -> np.memmap:
-        """Shard k, memory-mapped; the most recently used `OPEN_SHARDS` stay mapped (each holds a descriptor)."""
-        if k in self._maps:
-            self._maps.move_to_end(k)
+    def _map(self, k: int, suffix: str = ".bin") -> np.memmap:
+        """Shard k's tokens (or its .mask), memory-mapped; the most recently used `OPEN_SHARDS` stay mapped (each
+        holds a descriptor)."""
+        if (k, suffix) in self._maps:
+            self._maps.move_to_end((k, suffix))
         else:
-            self._maps[k] = np.memmap(self.files[k], dtype=self.dtype, mode="r")
+            self._maps[k, suffix] = np.memmap(self.files[k].removesuffix(".bin") + suffix,
+                                              dtype=self.dtype if suffix == ".bin" else np.uint8, mode="r")
             if len(self._maps) > OPEN_SHARDS:
                 self._maps.popitem(last=False)
-        return self._maps[k]
+        return self._maps[k, suffix]
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the stream (0 <= start, start + n <= tokens), across shard ends."""
+        """Tokens [start, start + n) of the stream (0 <= start, start + n <= tokens), across shard ends; in masked
+        data each untrained token as ~id (int64, tessera/data/masks.py)."""
+        out = self._read(start, n, ".bin")
+        if self.masked:
+            out = np.where(self._read(start, n, ".mask").astype(bool), out.astype(np.int64), ~out.astype(np.int64))
+        return out
+
+    def _read(self, start: int, n: int, suffix: str) -> np.ndarray:
         pieces, end = [], start + n
         k = int(np.searchsorted(self.bounds, start, side="right")) - 1
         while start < end:
             stop = min(end, int(self.bounds[k + 1]))
-            pieces.append(self._map(k)[start - self.bounds[k]:stop - self.bounds[k]])
+            pieces.append(self._map(k, suffix)[start - self.bounds[k]:stop - self.bounds[k]])
             start, k = stop, k + 1
         out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.bytes_read += out.nbytes
         return out
 
 
-def check_shard(folder: str, shard: dict, dtype: np.dtype, key: str) -> None:
-    """A shard's token and index files exist with the sizes its manifest entry gives."""
-    for suffix, want in ((".bin", shard["tokens"] * dtype.itemsize), (".idx", (shard["documents"] + 1) * 8)):
+def check_shard(folder: str, shard: dict, dtype: np.dtype, key: str, masked: bool = False) -> None:
+    """A shard's token, index (and loss mask) files exist with the sizes its manifest entry gives."""
+    files = [(".bin", shard["tokens"] * dtype.itemsize), (".idx", (shard["documents"] + 1) * 8)]
+    for suffix, want in files + ([(".mask", shard["tokens"])] if masked else []):
         path = os.path.join(folder, shard["file"].removesuffix(".bin") + suffix)
         try:
             size = os.path.getsize(path)
@@ -177,6 +188,11 @@ def check(cfg) -> None:
     run_tokenizer = tokenizer_fingerprint(cfg.model.hf_assets_path)
     for _, folder, _, key in sources(t):
         manifest = read_manifest(folder, key)
+        made_as = (manifest.get("examples") or {}).get("kind", "text")
+        if made_as != t.dataset_format:
+            raise DataError(f"training.dataset_format: {t.dataset_format!r}, but {folder} was prepared from "
+                            f"{made_as} data; set --training.dataset_format {made_as}, or prepare it again with "
+                            f"--format {t.dataset_format}")
         made_by = manifest["tokenizer"]["fingerprint"]
         if made_by != run_tokenizer:
             theirs = describe_tokenizer(made_by, manifest["tokenizer"]["path"])

@@ -25,6 +25,7 @@ from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
 from tessera.train import forward_backward
 from tessera.trainer import (
+    LossScale,
     build_side_losses,
     labels_in_forward,
     micro_batches,
@@ -251,7 +252,7 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     tr = SimpleNamespace(pipeline=None, loss_parallel=uses_loss_parallel(cfg, world), model=model, loss_fn=loss,
                          autocast=torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext(),
-                         extra_loss=spec.extra_loss, grad_accum=grad_accum,
+                         extra_loss=spec.extra_loss, grad_accum=grad_accum, loss_scale=LossScale(1.0 / grad_accum),
                          labels_in_forward=labels_in_forward(cfg, spec))
     _configure(cfg, world, model, grad_accum)
     with counting(fake, model) as meter:

@@ -73,7 +73,8 @@ class ModelSpec:
     blocks: tuple[str, ...] = ("layers",)  # the block stacks pipelining splits: ModuleDicts keyed by int, in forward
     # order (a model with two stacks, Flux's double and single blocks, names both)
     extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
-    loss: Callable | None = None  # (model output, labels) -> scalar; None: cross-entropy over the vocabulary
+    loss: Callable | None = None  # (model output, labels) -> the micro-batch's mean; None: cross-entropy over the
+    # vocabulary, summed over trained tokens and divided by those of the global batch
     batch: Callable | None = None  # (BatchView, loader) -> (inputs by keyword, labels) on device; None: token windows
     evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it

@@ -104,7 +104,7 @@ def make_stage(part: nn.Module, stage_id: int, n_stages: int, device: torch.devi
 
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, cfg, loss_fn):
-    """`loss_fn` must already divide by the number of micro-batches: the schedule does not scale gradients,
+    """`loss_fn` must already scale each micro-batch's share of the step: the schedule does not scale gradients,
     because its scaling would also rescale gradients accumulated by earlier steps of gradient accumulation."""
     p = cfg.parallelism
     if p.pipeline_parallel_grad_reduce == "microbatch" and splits_backward(p) and pp_mesh.get_rank() == 0:

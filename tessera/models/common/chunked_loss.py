@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The sum (not the mean) of the token cross-entropies, in fp32: chunks' sums add up to the whole's."""
+    """The sum (not the mean) of the token cross-entropies, in fp32, over the trained tokens (labels -100 are
+    not): chunks' sums add up to the whole's, and the trainer divides by the step's trained tokens."""
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
@@ -26,7 +27,7 @@ def _chunk(head: Callable, loss: Callable, hidden: torch.Tensor, labels: torch.T
 
 def chunked_cross_entropy(head: Callable, hidden: torch.Tensor, labels: torch.Tensor, chunks: int,
                           loss: Callable = summed_cross_entropy) -> torch.Tensor:
-    """The mean token cross-entropy of `head(hidden)` [batch, seq, vocab] against `labels` [batch, seq], computed
+    """The summed token cross-entropy of `head(hidden)` [batch, seq, vocab] against `labels` [batch, seq], computed
     over `chunks` slices of the sequence one at a time (recomputed in backward when grad is on). `loss`: a summed
     cross-entropy of (logits, labels) (the compiled one under compile.components "loss")."""
     if isinstance(hidden, DTensor):  # sequence-parallel under TP: gathered once, then sliced locally
@@ -38,4 +39,4 @@ def chunked_cross_entropy(head: Callable, hidden: torch.Tensor, labels: torch.Te
         else:
             part = _chunk(head, loss, h, y)
         total = part if total is None else total + part
-    return total / labels.numel()
+    return total

@@ -44,7 +44,7 @@ class TransformerBlock(nn.Module):
 
 class Decoder(nn.Module):
     block = TransformerBlock  # a family's subclass may swap it
-    # Given labels, forward returns the mean token loss, the head and loss run over this many slices of the
+    # Given labels, forward returns the summed token loss, the head and loss run over this many slices of the
     # sequence (tessera/models/common/chunked_loss.py); `chunk_loss` sums one slice's (the trainer sets both).
     loss_chunks = 1
     chunk_loss = staticmethod(summed_cross_entropy)
@@ -80,7 +80,8 @@ class Decoder(nn.Module):
         """tokens: [batch, seq] -> logits [batch, seq, vocab]. `cache`: one KVCache per layer, for decoding;
         `documents` [batch, seq]: each token's document number, which attention does not cross; `positions`
         [seq] or [batch, seq]: each token's position (default 0, 1, ...), e.g. its place in its document.
-        `labels` [batch, seq]: the mean cross-entropy against them instead, its logits made a chunk at a time.
+        `labels` [batch, seq]: the cross-entropy against them instead, summed over the trained tokens (labels -100
+        are not), its logits made a chunk at a time.
 
         A pipeline stage lacks the modules of other stages (None): it takes and returns hidden states.
         """
@@ -90,7 +91,7 @@ class Decoder(nn.Module):
         return self.head(self.norm(h)) if labels is None else self.token_loss(self.norm(h), labels)
 
     def token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of the logits of normed hidden states `h` against `labels`, chunk by chunk."""
+        """The summed cross-entropy of the logits of normed hidden states `h` against `labels`, chunk by chunk."""
         return chunked_cross_entropy(self.head, h, labels, self.loss_chunks, self.chunk_loss)
 
     def hidden(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,

@@ -116,7 +116,7 @@ class DeepSeekV3(Decoder):
             losses = [F.cross_entropy(self.head(out[:, :-1]).flatten(0, 1).float(), tokens[:, k + 1:].flatten())
                       for k, out in depths]
         else:
-            losses = [self.token_loss(out[:, :-1], tokens[:, k + 1:]) for k, out in depths]
+            losses = [self.token_loss(out[:, :-1], tokens[:, k + 1:]) / tokens[:, k + 1:].numel() for k, out in depths]
         main = self.head(h) if labels is None else self.token_loss(h, labels)
         return self.mtp_loss.attach(main, torch.stack(losses).mean())
 
