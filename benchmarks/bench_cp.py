@@ -122,7 +122,7 @@ def main() -> None:
     p.add_argument("--methods", default="allgather,ulysses")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/cp.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)  # a worker's
+    p.add_argument("--seq_len", type=int, help="one sequence length instead of --seq_lens")
     p.add_argument("--method", help=argparse.SUPPRESS)  # a worker's
     smoke_option(p, flavor="tiny", seq_lens="128", steps=1, degrees="2")
     a = p.parse_args()
@@ -132,7 +132,8 @@ def main() -> None:
     print(f"{a.flavor}, 1 sequence per step, 1 thread per rank; memory and bytes sent per rank")
     print(f"{'seq':>6} {'CP':>3} {'method':>10} {'tokens/s':>9} {'speed-up':>9} {'step memory GiB':>16} "
           f"{'vs CP 1':>8} {'sent MiB/step':>14} {'process peak GiB':>17}")
-    for seq_len in (int(s) for s in a.seq_lens.split(",")):
+    lengths = [a.seq_len] if a.seq_len else [int(s) for s in a.seq_lens.split(",")]
+    for seq_len in lengths:
         base = None
         for degree in (int(d) for d in a.degrees.split(",")):
             for method in a.methods.split(",") if degree > 1 else ["allgather"]:
@@ -143,7 +144,7 @@ def main() -> None:
                       f"{r['speedup']:>8.2f}x {r['live_gib']:>16.3f} {r['memory_ratio']:>7.2f}x "
                       f"{r['sent_gib'] * 1024:>14.2f} {r['peak_gib']:>17.3f}", flush=True)
                 results.append(r)
-    write_json(a.out, {"flavor": a.flavor, "seq_len": int(a.seq_lens.split(",")[0]), "results": results})
+    write_json(a.out, {"flavor": a.flavor, "seq_len": lengths[0], "results": results})
 
 
 if __name__ == "__main__":

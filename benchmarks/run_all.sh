@@ -31,7 +31,7 @@ echo; echo "== 4: AC memory and time, Float8 (compile's speed-up is measured in 
 $PY benchmarks/bench_features.py --only ac,float8 --steps 6 --warmup 1 --rounds 3 --float8_steps 10 \
     --out "$OUT/features.json"
 echo; echo "== context parallel"
-$PY benchmarks/bench_cp.py --seq_lens 2048 --steps 2 --degrees 1,2,4 --out "$OUT/cp.json"
+$PY benchmarks/bench_cp.py --seq_len 2048 --steps 2 --degrees 1,2,4 --out "$OUT/cp.json"
 echo; echo "== data loading at DP 1-8"
 $PY benchmarks/bench_data.py --out "$OUT/data.json"
 echo; echo "== prepared (pre-tokenized) data vs the streaming loader at DP 1, 8, 64; prepare's tokens/s"
