@@ -28,7 +28,10 @@ def get(doc: dict, path: str):
 
 
 def cp_row(doc: dict, degree: int, key: str):
-    return next((r[key] for r in (doc or {}).get("results", []) if r["cp"] == degree), None)
+    """All-gather CP's row at `degree` for the first sequence length (bench_cp's `seq_len`)."""
+    rows = [r for r in (doc or {}).get("results", []) if r.get("method", "allgather") == "allgather"
+            and r.get("seq_len", doc.get("seq_len")) == doc.get("seq_len")]
+    return next((r[key] for r in rows if r["cp"] == degree), None)
 
 
 def data_row(doc: dict, degree: int):

@@ -4,7 +4,8 @@ predicted memory and tokens/s.
 
 It searches the degrees (FSDP, or HSDP with one node's shard groups; TP 1-8 within a node; PP; CP keeping 8k+ tokens
 per GPU; EP for MoE models), the activation checkpointing mode (none, selective op, full), the micro-batch and, under
-PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble) and, for schedules whose backwards are whole, when gradients
+PP, the schedule (1F1B, Interleaved1F1B, ZBVZeroBubble), under CP the method that sends fewer bytes (all-gather or
+Ulysses, `tessera.estimate.cost.cp_method`) and, for schedules whose backwards are whole, when gradients
 are reduce-scattered (`pipeline_parallel_grad_reduce`: step, or microbatch, estimated only when the same layout with
 step does not fit: it holds less and costs more collectives). Every candidate must pass the launch checks
 (`tessera.preflight.validate`); those whose `floor` (the least a rank holds: parameter, gradient and optimizer shards,
@@ -17,12 +18,13 @@ of the same degrees that keep more (less recomputation, a larger batch)."""
 import dataclasses
 import json
 import sys
+from types import SimpleNamespace
 
 from tessera import architecture, models
 from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
-from tessera.estimate.cost import Cluster, step_time
+from tessera.estimate.cost import Cluster, cp_method, step_time
 from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 from tessera.preflight import parse_args, validate
@@ -56,6 +58,7 @@ class Candidate:
     local_batch: int
     accumulation: int
     grad_reduce: str = "step"  # parallelism.pipeline_parallel_grad_reduce, under PP
+    cp_method: str = "allgather"  # parallelism.context_parallel_method, under CP (tessera.estimate.cost.cp_method)
     tokens_per_s: float = 0.0
     step_s: float = 0.0
     peak: int = 0  # bytes, the exact estimate's
@@ -63,7 +66,7 @@ class Candidate:
 
     @property
     def layout(self) -> tuple:
-        return self.tp, self.pp, self.cp, self.ep, self.replicate, self.schedule, self.grad_reduce
+        return self.tp, self.pp, self.cp, self.ep, self.replicate, self.schedule, self.cp_method, self.grad_reduce
 
     def overrides(self, seq_len: int) -> dict[str, dict[str, object]]:
         """The TOML sections and keys this layout sets."""
@@ -71,6 +74,8 @@ class Candidate:
         par = {"data_parallel_shard_degree": self.shard, "data_parallel_replicate_degree": self.replicate,
                "tensor_parallel_degree": self.tp, "pipeline_parallel_degree": self.pp,
                "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
+        if self.cp > 1:
+            par.update(context_parallel_method=self.cp_method)
         if self.pp > 1:
             par.update(pipeline_parallel_schedule=self.schedule, pipeline_parallel_microbatch_size=1,
                        pipeline_parallel_grad_reduce=self.grad_reduce)
@@ -107,13 +112,15 @@ def candidates(cfg: JobConfig, args, gpus: int, gpus_per_node: int, global_batch
                 eps = [1] if moe is None else [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                if moe.n_experts % e == 0 and e % (cp * tp) == 0
                                                and (dp * cp * tp) % e == 0]
+                method = cp_method(SimpleNamespace(tp=tp, cp=cp), args)
                 for r in replicates:
                     for ep in eps:
-                        out += _batches(tp, pp, cp, ep, r, dp // r, global_batch)
+                        out += _batches(tp, pp, cp, ep, r, dp // r, global_batch, method)
     return out
 
 
-def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batch: int) -> list[Candidate]:
+def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batch: int,
+             method: str) -> list[Candidate]:
     out = []
     for schedule in SCHEDULES if pp > 1 else ("1F1B",):
         stages = pp * (2 if schedule in MULTI_STAGE else 1)
@@ -125,7 +132,7 @@ def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batc
             accumulation = global_batch // per_step if global_batch else 1
             reduces = ("step", "microbatch") if pp > 1 and shard * cp > 1 and schedule not in ZERO_BUBBLE \
                 else ("step",)
-            out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation, reduce)
+            out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation, reduce, method)
                     for reduce in reduces for ac in AC]
     return out
 
@@ -230,7 +237,7 @@ def describe(c: Candidate) -> str:
     pipe = f", {c.schedule}" if c.pp > 1 else ""
     pipe += ", gradients reduce-scattered each micro-batch" if c.grad_reduce == "microbatch" else ""
     acc = f" x {c.accumulation} accumulation steps" if c.accumulation > 1 else ""
-    return f"{layout_name(dims)}{pipe}, {ac}, local batch {c.local_batch}{acc}"
+    return f"{layout_name(dims, c.cp_method)}{pipe}, {ac}, local batch {c.local_batch}{acc}"
 
 
 def toml(c: Candidate, seq_len: int) -> str:

@@ -97,6 +97,8 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bo
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
         raise ConfigError(f"parallelism.context_parallel_degree: training.seq_len {t.seq_len} must be divisible by "
                           f"2 x context_parallel_degree = {2 * dims.cp} (each rank holds two equal chunks)")
+    if dims.cp > 1 and cfg.parallelism.context_parallel_method == "ulysses":
+        _check_ulysses(cfg, args, dims)
     _check_checkpoint(cfg, world_size)
     _check_speed(cfg, dims)
     ac = cfg.activation_checkpoint
@@ -315,6 +317,17 @@ def _check_family(cfg: JobConfig, args, dims: ParallelDims) -> None:
             check(cfg, args, dims)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_ulysses(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """Ulysses CP hands each CP rank whole sequences of heads / (TP x CP) query heads (key/value heads that do
+    not divide are repeated, see tessera.parallel.ulysses)."""
+    heads = getattr(args, "n_heads", 0)
+    if heads % (dims.tp * dims.cp):
+        raise ConfigError(f"parallelism.context_parallel_method: ulysses splits {cfg.model.name}'s {heads} attention "
+                          f"heads over TP {dims.tp} x CP {dims.cp} = {dims.tp * dims.cp} ranks, which do not divide "
+                          f"them; use a CP degree dividing the {heads // dims.tp} heads per TP rank, or "
+                          f"context_parallel_method = allgather")
 
 
 def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:

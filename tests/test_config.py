@@ -469,8 +469,8 @@ def test_an_older_config_loads_with_one_line_per_moved_or_removed_option(tmp_pat
     assert cfg.deepseek_v3.mtp_loss_weight == 0.1
     assert [r.getMessage() for r in caplog.records if r.name == "tessera"] == [
         f"training.mtp_loss_weight (in {old}) has moved to deepseek_v3.mtp_loss_weight; read as that (rename it)",
-        f"parallelism.context_parallel_rotate_method (in {old}) is ignored: context parallelism gathers the other "
-        f"ranks' keys and values (allgather, its only method); remove the key"]
+        f"parallelism.context_parallel_rotate_method (in {old}) is ignored: context parallelism rotates nothing "
+        f"around a ring (see parallelism.context_parallel_method); remove the key"]
     cfg = parse_args(["--training.mtp_loss_weight", "0.2", "--parallelism.context_parallel_rotate_method",
                       "allgather", "--training.steps", "3"])
     assert (cfg.deepseek_v3.mtp_loss_weight, cfg.training.steps) == (0.2, 3)

@@ -35,6 +35,8 @@ VALIDATION = [
                                           "--activation_checkpoint.mode", "selective",
                                           "--activation_checkpoint.selective_ac_option", "op"]),
     ("Llama 3 CP 2", 2, [*DENSE, "--parallelism.context_parallel_degree", "2"]),
+    ("Llama 3 Ulysses CP 2", 2, [*DENSE, "--parallelism.context_parallel_degree", "2",
+                                 "--parallelism.context_parallel_method", "ulysses"]),
     ("Llama 3 PP 2 (1F1B, 4 micro-batches)", 2, [*DENSE, *PP]),
     ("Qwen 3 MoE EP 2 (FSDP 2)", 2, [*MOE, "--parallelism.expert_parallel_degree", "2"]),
     ("Llama 3 FSDP 2 x PP 2 (Interleaved1F1B, 8 micro-batches), accumulation 2", 4,
@@ -167,6 +169,39 @@ def test_time_model_charges_reducing_each_microbatch():
 
     assert comm("1F1B", "microbatch") > 1.5 * comm("1F1B", "step") > 0
     assert comm("ZBVZeroBubble", "microbatch") == comm("ZBVZeroBubble", "step")
+
+
+@pytest.mark.fast
+def test_time_model_and_plan_take_the_cp_method_that_sends_less():
+    """Llama 3 8B (32 query heads, 8 KV heads) at seq 64k: all-gather CP sends a rank's keys and values to CP - 1
+    ranks, 2 x (CP - 1) x 16 head widths per token and layer; Ulysses (CP - 1) / CP of its queries, keys, values and
+    output, 2 x (CP - 1) / CP x 80: all-gather sends less at CP 2 and 4, Ulysses at CP 8 and 16 (at TP 2 x CP 8,
+    4 KV heads per TP rank are repeated to 8 for its CP ranks: 2 x 7/8 x 48 = 84 < 112). The time model charges
+    it, and plan sets the method of every layout it proposes."""
+    from types import SimpleNamespace
+
+    from tessera.estimate.cost import cp_bytes, cp_method
+    from tessera.plan import candidates
+
+    base = parse_args(["--model.flavor", "8B", "--training.seq_len", "65536"])
+    args, _ = _sizes(base)
+
+    def dims(cp, tp=1):
+        return SimpleNamespace(cp=cp, tp=tp)
+
+    assert [cp_method(dims(cp), args) for cp in (1, 2, 4, 8, 16)] == ["allgather"] * 3 + ["ulysses"] * 2
+    width = args.head_dim * 2  # bytes of a head's row in bf16
+    assert cp_bytes("allgather", dims(8), args, 1) == 2 * 7 * 16 * width
+    assert cp_bytes("ulysses", dims(8), args, 1) == 2 * 7 / 8 * 80 * width
+    assert cp_bytes("ulysses", dims(8, 2), args, 1) == 2 * 7 / 8 * 48 * width and cp_method(dims(8, 2), args) == \
+        "ulysses"
+    layout = ["--model.flavor", "8B", "--training.seq_len", "65536", "--parallelism.context_parallel_degree", "16"]
+    allgather, ulysses = (_time([*layout, "--parallelism.context_parallel_method", m], 64) for m in
+                          ("allgather", "ulysses"))
+    assert ulysses.comm < 0.5 * allgather.comm and ulysses.compute == allgather.compute
+    methods = {(c.cp, c.tp): c.overrides(65536)["parallelism"].get("context_parallel_method")
+               for c in candidates(base, args, 64, 8, 0)}
+    assert methods[(1, 1)] is None and methods[(2, 1)] == "allgather" and methods[(8, 1)] == "ulysses"
 
 
 def test_plan_reduces_each_microbatch_where_only_that_fits(monkeypatch):

@@ -176,6 +176,13 @@ class Parallelism:
                                              "schedules' split backwards reduce at the step's end",
                                              choices=("step", "microbatch"))
     context_parallel_degree: int = opt(1, "context parallel degree: ranks that split each sequence", min=1)
+    context_parallel_method: str = opt("allgather", "how context-parallel attention sees the whole sequence: "
+                                       "allgather = each rank gathers every rank's keys and values and attends its "
+                                       "own queries (traffic per rank grows with the sequence); ulysses = two "
+                                       "all-to-alls turn the sequence split into a head split around attention "
+                                       "(whole sequences of heads / CP per rank; traffic per rank falls as CP "
+                                       "grows; query heads after TP must divide by CP)",
+                                       choices=("allgather", "ulysses"))
     expert_parallel_degree: int = opt(1, "MoE models: ranks that split each layer's routed experts, taken from the "
                                       "ranks that route their own tokens (data-parallel shard x CP x TP: a multiple "
                                       "of CP x TP dividing that, and the experts); tokens travel to their experts' "
@@ -371,8 +378,8 @@ class JobConfig:
 
 
 # Options that are gone: a config that still sets one loads, with one warning line saying why it is ignored.
-REMOVED = {"parallelism.context_parallel_rotate_method": "context parallelism gathers the other ranks' keys and "
-                                                         "values (allgather, its only method); remove the key"}
+REMOVED = {"parallelism.context_parallel_rotate_method": "context parallelism rotates nothing around a ring (see "
+                                                         "parallelism.context_parallel_method); remove the key"}
 
 
 def mount(families: Mapping[str, type], model_names: tuple[str, ...], module: str) -> type:

@@ -65,11 +65,12 @@ class Estimate:
         return out
 
 
-def layout_name(dims) -> str:
+def layout_name(dims, cp_method: str = "allgather") -> str:
     parts = [(f"HSDP {dims.dp_replicate}x{dims.dp_shard}" if dims.dp_replicate > 1 and dims.dp_shard > 1
               else f"DDP {dims.dp_replicate}" if dims.dp_replicate > 1 else f"FSDP {dims.dp_shard}"
               if dims.dp_shard > 1 else "")]
-    parts += [f"{n} {d}" for n, d in (("TP", dims.tp), ("PP", dims.pp), ("CP", dims.cp), ("EP", dims.ep)) if d > 1]
+    cp = "Ulysses CP" if cp_method == "ulysses" else "CP"
+    parts += [f"{n} {d}" for n, d in (("TP", dims.tp), ("PP", dims.pp), (cp, dims.cp), ("EP", dims.ep)) if d > 1]
     return " x ".join(p for p in parts if p) or "1 rank"
 
 
@@ -125,8 +126,9 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     counts = fam.counts(args, t.seq_len)
     cluster = cluster or Cluster()
     time = step_time(cfg, dims, args, counts, grad_accum, cluster)
-    return Estimate(cfg.model.name, cfg.model.flavor, world_size, layout_name(dims), device, t.seq_len,
-                    t.local_batch_size, grad_accum, counts.params, kinds, time, cluster, notes)
+    name = layout_name(dims, cfg.parallelism.context_parallel_method)
+    return Estimate(cfg.model.name, cfg.model.flavor, world_size, name, device, t.seq_len, t.local_batch_size,
+                    grad_accum, counts.params, kinds, time, cluster, notes)
 
 
 def _build(spec, args) -> torch.nn.Module:

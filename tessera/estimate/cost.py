@@ -21,7 +21,8 @@
   HSDP adds an all-reduce of the gradient shards across replicas (exposed).
   TP (sequence parallel): per layer and micro-batch, 4 all-gathers / reduce-scatters of the residual stream
   forward and 4 backward, (TP - 1) / TP of it each; exposed (async TP hides half).
-  CP: per layer, an all-gather of keys and values forward and a reduce-scatter of their gradients backward;
+  CP: per layer, allgather: an all-gather of keys and values forward and a reduce-scatter of their gradients
+  backward; ulysses: all-to-alls of queries, keys, values and the output, forward and backward (`cp_bytes`);
   exposed. EP: per MoE layer, tokens x top-k rows to their experts and back, forward and backward; exposed.
   Full activation checkpointing runs the forward's TP, CP and EP collectives again in backward.
   PP: each micro-batch's boundary activations and their gradients, at each of a rank's stages; exposed.
@@ -33,6 +34,7 @@ gather and last reduce that no compute hides; network congestion and the topolog
 """
 
 import dataclasses
+import math
 
 from tessera.parallel.pp import reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
@@ -86,6 +88,30 @@ def routed_params(args, counts) -> int:
     return (counts.params - counts.active) * moe.n_experts // (moe.n_experts - moe.top_k)
 
 
+def cp_bytes(method: str, dims, args, rows: float, act: int = 2) -> float:
+    """Bytes a rank sends per attention layer, forward and backward, for context parallel attention over `rows`
+    of its tokens (parallelism.context_parallel_method). allgather: its keys and values to the CP - 1 other
+    ranks, and their gradients back; ulysses: (CP - 1) / CP of its queries, keys and values (key heads repeated
+    where CP does not divide them) and of attention's output, and their gradients."""
+    if dims.cp == 1:
+        return 0.0
+    head_dim = getattr(args, "head_dim", args.dim // args.n_heads)
+    kv = getattr(args, "n_kv_heads", args.n_heads) / dims.tp
+    if method == "ulysses":
+        kv = math.lcm(max(1, int(kv)), dims.cp)
+        return 2 * (dims.cp - 1) / dims.cp * rows * (2 * args.n_heads / dims.tp + 2 * kv) * head_dim * act
+    return 2 * (dims.cp - 1) * rows * 2 * kv * head_dim * act
+
+
+def cp_method(dims, args) -> str:
+    """The context parallel method that sends fewer bytes (the same group's links carry either; the time model
+    exposes both): ulysses where the heads divide by TP x CP and its all-to-alls move less than all-gather's keys
+    and values, which is for CP > (query heads + key heads after repeats) / key heads per rank."""
+    if dims.cp == 1 or args.n_heads % (dims.tp * dims.cp):
+        return "allgather"
+    return "ulysses" if cp_bytes("ulysses", dims, args, 1) < cp_bytes("allgather", dims, args, 1) else "allgather"
+
+
 def step_time(cfg, dims, args, counts, grad_accum: int, cluster: Cluster) -> StepTime:
     """`counts`: the family's parameter and FLOP counts (tessera.models.contract.Counts) at the run's seq_len."""
     t, p = cfg.training, cfg.parallelism
@@ -137,8 +163,7 @@ def _activations_comm(cfg, dims, args, grad_accum: int, per_rank_stages: int, cl
     rows = t.local_batch_size * grad_accum * t.seq_len / dims.cp  # tokens a rank's CP/TP group runs per step
     again = 1.5 if cfg.activation_checkpoint.mode == "full" else 1.0  # forward collectives run again in backward
     tp_s = 8 * (dims.tp - 1) / dims.tp * rows * args.dim * act * layers / _bw(dims.tp, cluster)
-    kv = getattr(args, "n_kv_heads", args.n_heads) * getattr(args, "head_dim", args.dim // args.n_heads) / dims.tp
-    cp_s = 2 * (dims.cp - 1) * rows * 2 * kv * act * layers / _bw(dims.cp * dims.tp, cluster)
+    cp_s = cp_bytes(p.context_parallel_method, dims, args, rows) * layers / _bw(dims.cp * dims.tp, cluster)
     moe = getattr(args, "moe", None)
     ep_s = 0.0
     if moe is not None and dims.ep > 1:

@@ -5,12 +5,27 @@ attention late chunks attend to more keys than early ones, so pairing them balan
 all-gathers K and V over the CP group and each local query chunk attends to the keys at or before it;
 autograd carries the gradients of K and V back to their owners. The kernel is the replaced one's: on CUDA
 FlexAttention keeps no scores; elsewhere they take (S/CP)·S memory per rank.
+
+Ulysses (parallelism.context_parallel_method = ulysses) swaps the sequence split for a head split around
+attention instead. Outside attention each rank still holds its two chunks. Before attention one all-to-all over
+the CP group sends each rank's queries, keys and values of head group g to rank g: every rank then holds whole
+sequences (in global order) of heads / CP heads, and the replaced kernel's own `attend` runs on them unchanged,
+with its masks (causal, windows, chunks, documents) and its sinks (this rank's heads' share). A second all-to-all
+sends the outputs back to the ranks that own their tokens. Each rank sends (CP−1)/CP of its own q, k, v and
+output, whatever CP, where all-gather CP receives every other rank's keys and values. The all-to-all is torch's
+functional, differentiable one (its backward is the same exchange), which compiles and runs on gloo and NCCL.
+Key/value heads that do not divide by CP are repeated (each lcm(kv heads, CP) / kv heads times) so that every
+rank gets the key heads its query heads read.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -85,15 +100,19 @@ class ContextParallelAttention(nn.Module):
                                    None if docs is None else docs[:, :end]))
         return torch.cat(out, dim=2)
 
-    @torch.compiler.disable
     def _documents(self, local: torch.Tensor) -> torch.Tensor:
-        """The whole sequence's document numbers [batch, 2·CP·L], gathered in global order. Every layer of a
-        forward asks with the same tensor: gathered once."""
-        if _gathered[0] is not local:
-            parts = [torch.empty_like(local) for _ in range(self.cp)]
-            dist.all_gather(parts, local.contiguous(), group=self.group)
-            _gathered[:] = [local, _in_order(parts, self.cp, dim=1)]
-        return _gathered[1]
+        return whole_documents(local, self.group, self.cp)
+
+
+@torch.compiler.disable
+def whole_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """The whole sequence's document numbers [batch, 2·CP·L] from each rank's [batch, 2L], gathered in global
+    order. Every layer of a forward asks with the same tensor: gathered once."""
+    if _gathered[0] is not local:
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        _gathered[:] = [local, _in_order(parts, cp, dim=1)]
+    return _gathered[1]
 
 
 _gathered: list = [None, None]  # (local document numbers, the whole sequence's) of the last forward
@@ -113,10 +132,76 @@ class BidirectionalContextParallelAttention(nn.Module):
         return self.attend(q, keys, values)
 
 
-def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh) -> None:
-    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one."""
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[CP, ...] on each rank: piece j to rank j; piece i of the result is rank i's."""
+    return funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+
+
+def heads_to_sequence_split(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """[b, h, 2L, d] (this rank's chunks, all its heads) -> [b, h / CP, 2·CP·L, d] (the whole sequence in
+    global order, this rank's head group)."""
+    b, h, n, d = x.shape
+    parts = _exchange(x.view(b, cp, h // cp, n, d).transpose(0, 1), group)  # [CP (sender), b, h / CP, 2L, d]
+    return _in_order(parts.unbind(0), cp, dim=2)
+
+
+def sequence_to_heads_split(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """The inverse: [b, h / CP, 2·CP·L, d] -> [b, h, 2L, d]."""
+    parts = torch.stack([shard_sequence(x, rank, cp, dim=2) for rank in range(cp)])  # [CP (receiver), ...]
+    return _exchange(parts, group).transpose(0, 1).flatten(1, 2)  # [b, CP (head group) x h / CP, 2L, d]
+
+
+def kv_repeats(kv_heads: int, cp: int) -> int:
+    """How many times each key/value head is repeated so that CP divides them: 1 when it already does."""
+    return math.lcm(kv_heads, cp) // kv_heads
+
+
+class UlyssesAttention(nn.Module):
+    """The kernel it replaces (its `attend`, masks, scale and sinks: the same parameter, under the same name),
+    run on whole sequences of this rank's head group."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module):
+        super().__init__()
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.bidirectional = getattr(kernel, "bidirectional", False)
+        self.scale, self.window, self.chunk = (getattr(kernel, a, None) for a in ("scale", "window", "chunk"))
+        self.sinks = getattr(kernel, "sinks", None)
+        self.attend = type(kernel).attend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v [batch, heads, 2L, head_dim] of this rank's tokens; `documents` [batch, 2L]: their document
+        numbers (numbered over the whole sequence)."""
+        if q.shape[1] % self.cp:
+            raise ValueError(f"Ulysses context parallel: {q.shape[1]} query heads per rank do not divide by "
+                             f"CP {self.cp}")
+        repeats = kv_repeats(k.shape[1], self.cp)
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        q, k, v = (heads_to_sequence_split(x, self.group, self.cp) for x in (q, k, v))
+        if self.bidirectional:
+            out = self.attend(q, k, v)
+        else:
+            docs = None if documents is None else whole_documents(documents, self.group, self.cp)
+            out = self.attend(q, k, v, self.window, self.chunk, self.scale, self._my_sinks(), docs)
+        return sequence_to_heads_split(out, self.group, self.cp)
+
+    def _my_sinks(self) -> torch.Tensor | None:
+        if self.sinks is None:
+            return None
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # TP: this rank's heads
+        share = sinks.shape[0] // self.cp
+        return sinks[self.cp_rank * share:(self.cp_rank + 1) * share]
+
+
+def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
+    """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one of `method`
+    (parallelism.context_parallel_method)."""
     for block in blocks.values():
         module = getattr(block, attention)
+        if method == "ulysses":
+            module.sdpa = UlyssesAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), module.sdpa)
+            continue
         if getattr(module.sdpa, "bidirectional", False):
             module.sdpa = BidirectionalContextParallelAttention(cp_mesh.get_group(), module.sdpa)
             continue

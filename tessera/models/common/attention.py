@@ -62,7 +62,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, c
     own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
     document's start), with `sinks`. FlexAttention on
     CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared memory on an
-    H200) and other devices materialize the scores."""
+    H200) and other devices materialize the scores. Plain causal attention over whole sequences (Ulysses context
+    parallel's) is the fused kernel's."""
+    if q.shape[2] == k.shape[2] and not (window or chunk or sinks is not None or documents is not None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider heads overflow its tiles
         return flex_attend(q, k, v, window, chunk, scale, sinks, documents)
     n_q, n_k = q.shape[2], k.shape[2]
@@ -157,9 +160,6 @@ class CausalSDPA(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
-        if q.shape[2] == k.shape[2] and not (self.window or self.chunk or self.sinks is not None
-                                             or documents is not None):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         return attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents)
 
     # For a kernel that replaces this one (context parallel) and keeps its masks and sinks.

@@ -46,7 +46,7 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
     if world.dims.ep > 1:
         apply_ep([m.experts for m in moe], world.flat["ep"])
     if world.dims.cp > 1:
-        apply_cp(model.layers, "attention", world.mesh["cp"])
+        apply_cp(model.layers, "attention", world.mesh["cp"], p.context_parallel_method)
     apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model.layers, fullgraph=not moe)

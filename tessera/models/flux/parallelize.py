@@ -16,7 +16,7 @@ def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     stacks = [getattr(model, name) for name in STACKS]
     for stack in stacks:
         if world.dims.cp > 1:  # bidirectional: every rank's queries see every token's keys
-            apply_cp(stack, "attn", world.mesh["cp"])
+            apply_cp(stack, "attn", world.mesh["cp"], cfg.parallelism.context_parallel_method)
         apply_ac(stack, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable and "model" in cfg.compile.components:
             apply_compile(stack)
