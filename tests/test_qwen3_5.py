@@ -178,3 +178,32 @@ def test_a_multimodal_release_loads_its_text_model(tmp_path, fam, caplog):
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+# --- layouts: each equals one process -------------------------------------------------------------------------
+
+STEPS = 3
+_DENSE = ["--model.name", "qwen3_5", "--model.flavor", "tiny", "--qwen3_5.chunk_size", "8"]
+_MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qwen3_5_moe.chunk_size", "8"]
+
+
+def test_layouts_equal_one_process(tmp_path):
+    """One 2-rank launch: FSDP, TP + SP (DeltaNet's heads, taps and decay split by head), PP (each stage a DeltaNet
+    and a full-attention block) of the dense model; EP and TP of the MoE one. Losses, grad norms and step-1
+    gradients equal a single process's (fp32)."""
+    from tests.dist_worker import run_grads
+    from tests.launch import assert_matches, run_cases
+
+    refs = {name: run_grads([*argv, "--training.local_batch_size", "8"], STEPS)
+            for name, argv in (("dense", _DENSE), ("moe", _MOE))}
+    tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
+    cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
+             "dense tp2": [*_DENSE, "--training.local_batch_size", "8", *tp],
+             "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
+             "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+             "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp]}
+    for name, got in zip(cases, run_cases(2, tmp_path, list(cases.values()), STEPS), strict=True):
+        try:
+            assert_matches(got, refs[name.split()[0]], 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
