@@ -207,3 +207,21 @@ def test_layouts_equal_one_process(tmp_path):
             assert_matches(got, refs[name.split()[0]], 1e-5)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("argv", "world", "line"), [
+    ([*_DENSE, "--parallelism.context_parallel_degree", "2"], 2,
+     "parallelism.context_parallel_degree: qwen3_5 tiny's Gated DeltaNet layers carry a recurrent state"),
+    ([*_MOE, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
+     "parallelism.context_parallel_degree: qwen3_5_moe debugmodel_moe's Gated DeltaNet layers"),
+])
+def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
+    from tessera.config import ConfigError
+    from tessera.preflight import parse_args, validate
+
+    with pytest.raises(ConfigError, match="^" + line.replace("(", r"\(").replace(")", r"\)")):
+        validate(parse_args(argv), world)
+    wide_attention = dataclasses.replace(DENSE.flavors["tiny"], n_heads=8, n_kv_heads=4)  # DeltaNet's 2 key heads
+    with pytest.raises(ValueError, match=r"4 does not divide the DeltaNet key heads \(2\) of tiny"):
+        DENSE.check_layout(wide_attention, 4, 1, 1, "tiny")
