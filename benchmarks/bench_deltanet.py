@@ -39,9 +39,11 @@ def _layers(a, device, dtype):
 
 
 def _rope(seq: int, device):
+    import torch
+
     from tessera.models.common.rope import inv_freq, rope_table
 
-    return rope_table(__import__("torch").arange(seq, device=device), inv_freq(32, 1e7)).to(device)
+    return rope_table(torch.arange(seq, device=device), inv_freq(32, 1e7))
 
 
 def measure(layer, x, rope) -> tuple[float, int]:
@@ -64,22 +66,24 @@ def measure(layer, x, rope) -> tuple[float, int]:
     return time.perf_counter() - start, sum(saved.values())
 
 
-def at_length(seq: int, a, attention, deltanet, device, dtype) -> dict:
+def at_length(seq: int, a, attention, deltanet, device, dtype, warm_up: bool) -> dict:
     import torch
+
+    from tessera.models.common.deltanet import fla_available
 
     x = torch.randn(1, seq, a.dim, device=device, dtype=dtype, requires_grad=True)
     rope = _rope(seq, device)
     layers = {"attention": attention, "deltanet": deltanet}
-    if device.type == "cuda":
+    if fla_available(device):
         fla = _layers(a, device, dtype)[1]
         fla.load_state_dict(deltanet.state_dict())
         fla.kernel = "fla"
-        if fla.uses_fla(device) and __import__("importlib").util.find_spec("fla"):
-            layers["deltanet_fla"] = fla
+        layers["deltanet_fla"] = fla
     times = {name: [] for name in layers}
     saved = {}
-    for layer in layers.values():  # warm-up
-        measure(layer, x, rope)
+    if warm_up:  # first calls' one-off costs (allocator, kernels), once at the first length
+        for layer in layers.values():
+            measure(layer, x[:, :128], rope)
     for _ in range(a.rounds):
         for name, layer in layers.items():
             seconds, saved[name] = measure(layer, x, rope)
@@ -113,7 +117,7 @@ def main() -> None:
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     attention, deltanet = _layers(a, device, dtype)
     print(f"one layer, forward + backward, batch 1, {device.type} {dtype}, width {a.dim}, chunk {a.chunk}:")
-    rows = [at_length(int(s), a, attention, deltanet, device, dtype) for s in a.seqs.split(",")]
+    rows = [at_length(int(s), a, attention, deltanet, device, dtype, i == 0) for i, s in enumerate(a.seqs.split(","))]
     write_json(a.out, {"device": device.type, "dtype": str(dtype), "dim": a.dim, "chunk": a.chunk, "lengths": rows})
 
 

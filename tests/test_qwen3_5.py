@@ -98,6 +98,20 @@ def test_cached_decoding_equals_the_uncached_path(fam):
     assert generate(model, prompt, 10, use_cache=True) == generate(model, prompt, 10, use_cache=False)
 
 
+@pytest.mark.fast
+def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs(caplog):
+    from tessera.models.common.qwen3_5_options import Qwen35Options, apply_options
+
+    with torch.device("meta"):
+        model = DENSE.spec().model(dataclasses.replace(DENSE.flavors["tiny"], vocab_size=50))
+    with caplog.at_level("INFO", logger="tessera"):
+        apply_options(model, Qwen35Options(chunk_size=8, kernel="auto"), torch.device("cpu"), rank0=True)
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert len(layers) == 2 and {(m.chunk_size, m.kernel) for m in layers} == {(8, "auto")}
+    assert [r.getMessage() for r in caplog.records] == [
+        "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk"]
+
+
 def test_counts_equal_the_models_built():
     for fam in (DENSE, MOE):
         for args in fam.flavors.values():
