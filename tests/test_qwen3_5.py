@@ -110,6 +110,9 @@ def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs
     assert len(layers) == 2 and {(m.chunk_size, m.kernel) for m in layers} == {(8, "auto")}
     assert [r.getMessage() for r in caplog.records] == [
         "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk"]
+    # the convolution's taps are per-channel filters: never Muon's matrices
+    roles = [MOE.param_role(f"layers.0.attention.{n}", (8, 4)) for n in ("heads.conv_q", "wq.weight")]
+    assert roles == ["vector", None]
 
 
 def test_counts_equal_the_models_built():

@@ -55,3 +55,9 @@ class Qwen35Args:
     def arch(self) -> dict:
         """What the model computes with, to compare two args."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
+
+
+def param_role(name: str, shape: tuple[int, ...]) -> str | None:
+    """The DeltaNet's convolution taps [channels, K] are a filter per channel, not a linear map: a vector's role
+    (AdamW, no weight decay under weight_decay_exclude), not Muon's."""
+    return "vector" if ".attention.heads.conv_" in name else None

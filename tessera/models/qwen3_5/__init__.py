@@ -1,6 +1,7 @@
 """Qwen 3.5 dense: a hybrid decoder of Gated DeltaNet (linear attention) blocks and gated full-attention blocks
 (tessera/models/common/qwen3_5_model.py)."""
 
+from tessera.models.common.qwen3_5_args import param_role
 from tessera.models.common.qwen3_5_counts import check_hybrid_layout, hybrid_counts
 from tessera.models.common.qwen3_5_options import Qwen35Options, check
 from tessera.models.contract import Counts, Family
@@ -16,4 +17,4 @@ def counts(args, seq_len: int) -> Counts:
 FAMILY = Family(name="qwen3_5", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_hybrid_layout, embedding="tok_embeddings.weight",
                 high_precision=("output",), torch_side="tessera.models.qwen3_5.spec:SPEC",
-                hf_model_type=hf.MODEL_TYPE, options=Qwen35Options, check=check)
+                hf_model_type=hf.MODEL_TYPE, options=Qwen35Options, check=check, param_role=param_role)
