@@ -242,3 +242,24 @@ def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, l
     wide_attention = dataclasses.replace(DENSE.flavors["tiny"], n_heads=8, n_kv_heads=4)  # DeltaNet's 2 key heads
     with pytest.raises(ValueError, match=r"4 does not divide the DeltaNet key heads \(2\) of tiny"):
         DENSE.check_layout(wide_attention, 4, 1, 1, "tiny")
+
+
+def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
+    """TP 2 with EP 2: each rank reads and writes its shards of DeltaNet's fused q/k/v and convolution (DTensors
+    split by head, as FSDP splits them too) and of the experts; lr 0 keeps the weights, so the export equals the
+    transformers model exactly."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.launch import run_dist
+
+    theirs = _theirs(tmp_path / "hf_in", True, vocab_size=300, layer_types=[L, F, L, F], num_hidden_layers=4)
+    run = ["--model.name", "qwen3_5_moe", "--model.flavor=", "--training.steps", "1", "--optimizer.lr", "0",
+           "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+           "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
+           "--training.local_batch_size", "2"]
+    for name, layout in (("tp_ep", ["--parallelism.tensor_parallel_degree", "2",
+                                    "--parallelism.expert_parallel_degree", "2"]),):
+        run_dist(2, tmp_path / name, *run, *layout)
+        exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
+        for key, value in theirs.state_dict().items():
+            torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=f"{name} {key}")
