@@ -88,10 +88,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q_read, k_write = q * reads[..., None], k * writes[..., None]
     s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
     outs = []
-    for i in range(n):
-        new = u[:, :, i] - w[:, :, i] @ s  # each position's correction of what the state predicts
-        outs.append(q_read[:, :, i] @ s + attn[:, :, i] @ new)
-        s = s * carry[:, :, i, :, None] + k_write[:, :, i].transpose(-1, -2) @ new
+    # unbound once: indexing chunk i in the loop would make backward allocate a whole-size gradient per chunk
+    for u_i, w_i, q_i, attn_i, k_i, carry_i in zip(*(x.unbind(2) for x in (u, w, q_read, attn, k_write, carry)),
+                                                   strict=True):
+        new = u_i - w_i @ s  # each position's correction of what the state predicts
+        outs.append(q_i @ s + attn_i @ new)
+        s = s * carry_i[..., None] + k_i.transpose(-1, -2) @ new
     out = torch.stack(outs, dim=2).reshape(bsz, heads, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).to(dtype), s
 
