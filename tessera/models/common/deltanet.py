@@ -191,7 +191,7 @@ class GatedDeltaNet(nn.Module):
         self.wo = nn.Linear(v_heads * dv, dim, bias=False)
 
     def uses_fla(self, device: torch.device) -> bool:
-        return self.kernel == "fla" or (self.kernel == "auto" and fla_available(device))
+        return self.kernel != "torch" and fla_available(device)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: DeltaNetCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:

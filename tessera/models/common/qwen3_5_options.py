@@ -25,6 +25,9 @@ def apply_options(model, options, device, rank0: bool) -> None:
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     for module in layers:
         module.chunk_size, module.kernel = options.chunk_size, options.kernel
+    if layers and options.kernel == "fla" and not layers[0].uses_fla(device):
+        raise ValueError(f"kernel = 'fla': fla's kernels run on CUDA with flash-linear-attention installed, not on "
+                         f"{device.type}; use auto or torch")
     if layers and rank0:
         fla = layers[0].uses_fla(device)
         logging.getLogger("tessera").info(
