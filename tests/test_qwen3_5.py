@@ -205,9 +205,9 @@ _MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qw
 
 
 def test_layouts_equal_one_process(tmp_path):
-    """One 2-rank launch: FSDP, TP + SP (DeltaNet's heads, taps and decay split by head), PP (each stage a DeltaNet
-    and a full-attention block) of the dense model; EP and TP of the MoE one. Losses, grad norms and step-1
-    gradients equal a single process's (fp32)."""
+    """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
+    head), PP (each stage a DeltaNet and a full-attention block) of the dense model; EP and TP of the MoE one.
+    Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
     from tests.dist_worker import run_grads
     from tests.launch import assert_matches, run_cases
 
@@ -216,6 +216,8 @@ def test_layouts_equal_one_process(tmp_path):
     tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
     cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
              "dense tp2": [*_DENSE, "--training.local_batch_size", "8", *tp],
+             "dense fsdp2 op AC": [*_DENSE, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                                   "selective", "--activation_checkpoint.selective_ac_option", "op"],
              "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
              "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
              "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp]}
