@@ -404,7 +404,7 @@ def test_shipped_config_parses(name):
 
 @pytest.mark.parametrize("name", ["llama3_debug.toml", "qwen3_debug.toml", "qwen3_moe_debug.toml",
                                   "deepseek_v3_debug.toml", "gpt_oss_debug.toml", "llama4_debug.toml",
-                                  "qwen3_sft_debug.toml"])
+                                  "qwen3_sft_debug.toml", "qwen3_5_debug.toml", "qwen3_5_moe_debug.toml"])
 def test_debug_config_validates_at_world_size_2(name):
     dims = validate(parse_args(["--job.config_file", str(CONFIGS / name)]), 2)
     assert (dims.dp_shard, dims.dp_replicate, dims.tp, dims.world_size) == (2, 1, 1, 2)
@@ -439,6 +439,8 @@ BIG = {
     "gpt_oss_120b.toml": (64, ("parallelism.expert_parallel_degree",)),
     "llama4_scout.toml": (64, ("parallelism.expert_parallel_degree",)),
     "llama4_maverick.toml": (256, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
+    "qwen3_5_9b.toml": (8, ()),
+    "qwen3_5_35b_a3b.toml": (16, ("parallelism.expert_parallel_degree",)),
 }
 
 

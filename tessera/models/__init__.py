@@ -7,7 +7,7 @@ import json
 import os
 from typing import NamedTuple
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux", "qwen3_5", "qwen3_5_moe")
 
 
 def family(name: str):

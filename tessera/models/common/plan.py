@@ -28,18 +28,19 @@ QK_NORM_BLOCK_TP_PLAN = {**DECODER_BLOCK_TP_PLAN, **{f"attention.{n}": SequenceP
 _FFN_TP_PLAN = {False: ffn_plan("feed_forward", ("w1", "w3"), "w2"), True: local_tokens("feed_forward")}
 
 
-def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp_plan: dict,
+def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp_plan,
                         high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = (),
                         idle: bool = False) -> nn.Module:
-    """`more_units`: modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths);
+    """`block_tp_plan`: the blocks' TP plan, or (block) -> its plan (a hybrid's blocks differ); `more_units`:
+    modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths);
     `idle`: they are kept but never run (not trained in this layout)."""
     p = cfg.parallelism
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     apply_converters(model, cfg, world.device, high_precision)
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
-        blocks = [(b, {**block_tp_plan, **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]})
-                  for b in model.layers.values()]
+        plan_of = block_tp_plan if callable(block_tp_plan) else lambda _: block_tp_plan  # per block (hybrids)
+        blocks = [(b, {**plan_of(b), **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]}) for b in model.layers.values()]
         apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel), blocks)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)

@@ -1,0 +1,233 @@
+"""Gated DeltaNet (Yang et al. 2024), the linear-attention mixer of Qwen 3.5 and Qwen3-Next: a short causal
+depthwise convolution over q, k and v, L2-normed q and k, and a matrix state S [k_dim, v_dim] per value head that
+each token decays by exp(g) and corrects towards its value by the delta rule,
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t / sqrt(k_dim),
+
+then a gated RMSNorm (RMSNorm(o) * silu(z)) and the out-projection.
+
+Training runs the chunked form (the WY/UT representation): within a chunk of `chunk_size` tokens the updates are
+a few matmuls and one triangular solve, across chunks a scan carries S. It is plain torch, differentiable, any
+device: the CPU path and the reference. On CUDA the `fla` kernels run instead when `flash-linear-attention` is
+installed (the `fla` extra; `kernel = "auto"`). Packed documents reset the state (and the convolution's window) at
+each document's first token, as if each ran alone. Decoding keeps the convolution's last inputs and S as its cache.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Under TP a rank holds its heads' per-head parameters (Shard(0)); the math runs on them."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution then SiLU: x [batch, seq, channels], weight [channels, K]; out[t] =
+    silu(sum_j weight[:, j] x[t - K + 1 + j]). `documents` [batch, seq]: inputs of another document count as 0;
+    `state` [batch, K - 1, channels]: the inputs before x (decoding), else zeros."""
+    k = weight.shape[1]
+    past = state if state is not None else x.new_zeros(x.shape[0], k - 1, x.shape[2])
+    padded = torch.cat([past.to(x.dtype), x], dim=1)
+    seq = x.shape[1]
+    out = 0
+    for j in range(k):  # tap j reads the input K - 1 - j steps back
+        shifted = padded[:, j:j + seq]
+        if documents is not None and j < k - 1:
+            back = k - 1 - j
+            same = torch.zeros_like(documents, dtype=torch.bool)
+            same[:, back:] = documents[:, back:] == documents[:, :-back]
+            shifted = shifted * same[..., None]
+        out = out + shifted * weight[:, j]
+    return F.silu(out)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           chunk_size: int = 64, state: torch.Tensor | None = None,
+                           documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [batch, seq, heads, dk] (L2-normed; scaled here), v [batch, seq, heads, dv], g (log decay, <= 0) and
+    beta [batch, seq, heads]; `state` [batch, heads, dk, dv] (default 0); `documents` [batch, seq]: the state
+    resets at each document's first token. -> (out [batch, seq, heads, dv], final state), computed in fp32."""
+    dtype, (bsz, seq, heads, dk), dv = v.dtype, k.shape, v.shape[-1]
+    pad = (-seq) % chunk_size
+    n = (seq + pad) // chunk_size
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [b, s, h, ...] -> [b, h, n, c, ...] in fp32, zero-padded
+        x = x.float().transpose(1, 2)
+        x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 4 else F.pad(x, (0, pad))
+        return x.reshape(bsz, heads, n, chunk_size, *x.shape[3:])
+
+    q, k, v, g, beta = chunks(q * dk ** -0.5), chunks(k), chunks(v), chunks(g), chunks(beta)
+    cum = g.cumsum(-1)  # log decay from the chunk's start to each position, inclusive
+    last = cum[..., -1:]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # decay from j to i
+    reads = cum.exp()  # how much of the state before the chunk each position still sees
+    writes = (last - cum).exp()  # how much of each position's write survives to the chunk's end
+    carry = last.exp()  # of the state before the chunk, at its end
+    if documents is not None:
+        docs = torch.cat([documents[:, :1], documents, documents[:, -1:].expand(-1, pad)], dim=1)
+        prev, docs = docs[:, :-1].reshape(bsz, 1, n, chunk_size)[..., :1], docs[:, 1:].reshape(bsz, 1, n, chunk_size)
+        pair = pair * (docs[..., :, None] == docs[..., None, :])
+        reads = reads * (docs == prev)
+        writes = writes * (docs == docs[..., -1:])
+        carry = carry * (docs[..., -1:] == prev)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # (I + A) u = v_beta, (I + A) w = decayed k_beta, A strictly lower: the chunk's delta-rule updates solved at once
+    system = ((k_beta @ k.transpose(-1, -2)) * pair).tril(-1) + torch.eye(chunk_size, device=q.device)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * reads[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * pair
+    q_read, k_write = q * reads[..., None], k * writes[..., None]
+    s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
+    outs = []
+    # unbound once: indexing chunk i in the loop would make backward allocate a whole-size gradient per chunk
+    for u_i, w_i, q_i, attn_i, k_i, carry_i in zip(*(x.unbind(2) for x in (u, w, q_read, attn, k_write, carry)),
+                                                   strict=True):
+        new = u_i - w_i @ s  # each position's correction of what the state predicts
+        outs.append(q_i @ s + attn_i @ new)
+        s = s * carry_i[..., None] + k_i.transpose(-1, -2) @ new
+    out = torch.stack(outs, dim=2).reshape(bsz, heads, -1, dv)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype), s
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None,
+                               documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, a token at a time (decoding steps, and the oracle the chunked form is tested against)."""
+    dtype, (bsz, seq, heads, dk), dv = v.dtype, k.shape, v.shape[-1]
+    q, k, v, g, beta = (x.float() for x in (q * dk ** -0.5, k, v, g, beta))
+    s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
+    outs = []
+    for t in range(seq):
+        decay = g[:, t].exp()
+        if documents is not None and t:
+            decay = decay * (documents[:, t] == documents[:, t - 1])[:, None]
+        s = s * decay[..., None, None]
+        delta = (v[:, t] - (s * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        s = s + k[:, t, ..., None] * delta[..., None, :]
+        outs.append((s * q[:, t, ..., None]).sum(-2))
+    return torch.stack(outs, dim=1).to(dtype), s
+
+
+def fla_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, state, documents):
+    """fla's chunked kernel (Triton, CUDA). Packed documents: all rows' documents as one varlen batch."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    if documents is None:
+        return fla_chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state, output_final_state=True)
+    bsz, seq = documents.shape
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    offsets = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([bsz * seq], device=q.device)])
+
+    def flat(x):
+        return x.reshape(1, bsz * seq, *x.shape[2:])
+
+    out, final = fla_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=q.shape[-1] ** -0.5,
+                           output_final_state=False, cu_seqlens=offsets)
+    return out.reshape(bsz, seq, *out.shape[2:]), final
+
+
+class DeltaNetCache(nn.Module):
+    """One DeltaNet layer's decoding state: the convolution's last K - 1 inputs and the delta-rule state."""
+
+    def __init__(self, batch: int, kernel: int, channels: int, heads: int, dk: int, dv: int, dtype, device=None):
+        super().__init__()
+        self.register_buffer("conv", torch.zeros(batch, kernel - 1, channels, dtype=dtype, device=device))
+        self.register_buffer("state", torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device))
+        self.length = 0
+
+
+class DeltaHeads(nn.Module):
+    """The parameters with a row per channel or value head (the convolution's taps, the decay's A and dt bias):
+    one module, so tensor parallelism splits them by head (tessera.parallel.tp.ShardedByHead)."""
+
+    def __init__(self, key_dim: int, value_dim: int, v_heads: int, kernel: int):
+        super().__init__()
+        self.conv_q = nn.Parameter(torch.empty(key_dim, kernel))
+        self.conv_k = nn.Parameter(torch.empty(key_dim, kernel))
+        self.conv_v = nn.Parameter(torch.empty(value_dim, kernel))
+        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+
+
+class GatedDeltaNet(nn.Module):
+    """The mixer: wq/wk/wv (then the causal conv), wz (the output gate), wb (beta), wa (the decay's input),
+    `norm` (RMSNorm over each head's value dim, weight 1-centred as the gate's) and wo. Value heads are a
+    multiple of key heads; each q/k head serves v_heads / k_heads consecutive value heads."""
+
+    chunk_size = 64  # the chunked form's block of tokens (the family's option sets it)
+    kernel = "auto"  # auto: fla on CUDA when installed, else torch; torch; fla
+
+    def __init__(self, dim: int, k_heads: int, v_heads: int, dk: int, dv: int, conv_kernel: int, eps: float):
+        super().__init__()
+        self.dk, self.dv, self.conv_kernel = dk, dv, conv_kernel
+        self.wq = nn.Linear(dim, k_heads * dk, bias=False)
+        self.wk = nn.Linear(dim, k_heads * dk, bias=False)
+        self.wv = nn.Linear(dim, v_heads * dv, bias=False)
+        self.wz = nn.Linear(dim, v_heads * dv, bias=False)
+        self.wb = nn.Linear(dim, v_heads, bias=False)
+        self.wa = nn.Linear(dim, v_heads, bias=False)
+        self.heads = DeltaHeads(k_heads * dk, v_heads * dv, v_heads, conv_kernel)
+        self.norm = nn.RMSNorm(dv, eps=eps)
+        self.wo = nn.Linear(v_heads * dv, dim, bias=False)
+
+    def uses_fla(self, device: torch.device) -> bool:
+        return self.kernel != "torch" and fla_available(device)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: DeltaNetCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x [batch, seq, dim]; `rope` is not used (the signature is attention's); `cache`: the state after the
+        earlier positions, updated; `documents` [batch, seq]: the state resets where the document changes."""
+        bsz, seq, _ = x.shape
+        h = self.heads
+        taps = [_local(t) for t in (h.conv_q, h.conv_k, h.conv_v)]
+        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+        conv = causal_conv(qkv, torch.cat(taps), documents, cache.conv if cache is not None else None)
+        if cache is not None:
+            past = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=1)
+            cache.conv.copy_(past[:, past.shape[1] - cache.conv.shape[1]:])
+        q, k, v = conv.split([len(taps[0]), len(taps[1]), len(taps[2])], dim=-1)
+        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
+        v = v.unflatten(-1, (-1, self.dv))
+        groups = v.shape[2] // q.shape[2]
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        beta = self.wb(x).float().sigmoid()
+        g = -_local(h.A_log).float().exp() * F.softplus(self.wa(x).float() + _local(h.dt_bias).float())
+        state = cache.state if cache is not None else None
+        if self.uses_fla(x.device):
+            out, final = _fla_gated_delta_rule(q, k, v.float(), g, beta, state, documents)
+        elif cache is not None and seq < self.chunk_size:
+            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, documents)
+        else:
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, state, documents)
+        if cache is not None:
+            cache.state.copy_(final)
+            cache.length += seq
+        z = self.wz(x).unflatten(-1, (-1, self.dv))
+        out = self.norm(out.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
+        return self.wo(out.flatten(2))
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device=None) -> DeltaNetCache:
+        channels = sum(t.shape[0] for t in (self.heads.conv_q, self.heads.conv_k, self.heads.conv_v))
+        return DeltaNetCache(batch, self.conv_kernel, channels, self.heads.A_log.shape[0], self.dk, self.dv, dtype,
+                             device)

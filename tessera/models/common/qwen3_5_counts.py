@@ -1,0 +1,53 @@
+"""Parameter and FLOP counts of Qwen 3.5's hybrid decoder (tessera/models/common/qwen3_5_model.py), and what
+its layouts need. Torch-free."""
+
+from tessera.models.common.counts import check_decoder_layout
+from tessera.models.contract import Counts
+
+CHUNK = 64  # the chunked DeltaNet's default chunk, for its FLOPs
+
+
+def deltanet_params(a) -> int:
+    qk, v = a.linear_k_heads * a.linear_k_dim, a.linear_v_heads * a.linear_v_dim
+    return a.dim * (2 * qk + v) + a.dim * v + 2 * a.dim * a.linear_v_heads + (2 * qk + v) * a.conv_kernel \
+        + 2 * a.linear_v_heads + a.linear_v_dim + v * a.dim
+
+
+def attention_params(a) -> int:
+    return a.dim * a.head_dim * (3 * a.n_heads + 2 * a.n_kv_heads) + 2 * a.head_dim
+
+
+def deltanet_flops_per_token(a, chunk: int = CHUNK) -> float:
+    """Training FLOPs of one DeltaNet layer's recurrence per token (its projections are counted as weights):
+    per value head, the state's read, correction and write (3 dk dv) and the chunk's intra-chunk products
+    (chunk (2 dk + 2 dv)), 2 per multiply-add, times 3 for backward. Independent of the sequence's length."""
+    dk, dv = a.linear_k_dim, a.linear_v_dim
+    return 6 * a.linear_v_heads * (3 * dk * dv + chunk * (2 * dk + 2 * dv))
+
+
+def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Counts:
+    """`ffn_params`/`ffn_active`: one block's FFN, all of it and what one token uses. Attention FLOPs grow with
+    the sequence only in the full-attention blocks (12 H hd S each); a DeltaNet block's are constant per token."""
+    linear = sum(args.linear(i) for i in range(args.n_layers))
+    full = args.n_layers - linear
+    mixers = linear * deltanet_params(args) + full * attention_params(args)
+    table = args.vocab_size * args.dim
+    embedding = 0 if args.tie_embeddings else table
+    common = table + embedding + args.dim + mixers + args.n_layers * 2 * args.dim
+    params, active = common + args.n_layers * ffn_params, common + args.n_layers * ffn_active
+    flops = 6 * (active - embedding) + 12 * full * args.n_heads * args.head_dim * seq_len \
+        + linear * deltanet_flops_per_token(args)
+    return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
+
+
+def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
+    """The shared decoder's needs, and under TP DeltaNet's key and value heads split too."""
+    check_decoder_layout(args, tp, 1, pp, label)
+    for what, size in (("DeltaNet key heads", args.linear_k_heads), ("DeltaNet value heads", args.linear_v_heads)):
+        if tp > 1 and size % tp:
+            raise ValueError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) of "
+                             f"{label}; pick a divisor")
+    if cp > 1:
+        raise ValueError(f"parallelism.context_parallel_degree: {label}'s Gated DeltaNet layers carry a recurrent "
+                         f"state along the whole sequence, which context parallelism would split; use TP (it "
+                         f"splits DeltaNet's heads) and a shorter training.seq_len per rank instead")

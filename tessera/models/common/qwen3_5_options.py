@@ -1,0 +1,41 @@
+"""Qwen 3.5's own options (the [qwen3_5] and [qwen3_5_moe] sections): how the Gated DeltaNet layers compute."""
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+from tessera.config.sections import opt
+
+
+@dataclass
+class Qwen35Options:
+    chunk_size: int = opt(64, "tokens per chunk of the chunked Gated DeltaNet (torch path): within a chunk the "
+                          "delta-rule updates are matmuls and one triangular solve, across chunks a scan; larger "
+                          "chunks do more parallel work and fewer sequential steps (fla's kernels fix their own)",
+                          min=1)
+    kernel: str = opt("auto", "the Gated DeltaNet's kernel: auto (fla's on CUDA when flash-linear-attention is "
+                      "installed, else the chunked torch one), torch, or fla (CUDA, needs the fla extra)",
+                      choices=("auto", "torch", "fla"))
+
+
+def apply_options(model, options, device, rank0: bool) -> None:
+    """Each DeltaNet layer computes as the options say; one line says which kernel runs."""
+    from tessera.models.common.deltanet import GatedDeltaNet
+
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for module in layers:
+        module.chunk_size, module.kernel = options.chunk_size, options.kernel
+    if layers and options.kernel == "fla" and not layers[0].uses_fla(device):
+        raise ValueError(f"kernel = 'fla': fla's kernels run on CUDA with flash-linear-attention installed, not on "
+                         f"{device.type}; use auto or torch")
+    if layers and rank0:
+        fla = layers[0].uses_fla(device)
+        logging.getLogger("tessera").info(
+            f"Gated DeltaNet ({len(layers)} layers): " + ("fla's chunked kernels" if fla else
+                                                          f"the chunked torch path, {options.chunk_size} per chunk"))
+
+
+def check(cfg, args, dims, section: str = "qwen3_5") -> None:
+    options = getattr(cfg, section)
+    if options.kernel == "fla" and importlib.util.find_spec("fla") is None:
+        raise ValueError(f"{section}.kernel: fla is not installed; pip install 'tessera[fla]' (CUDA), or use auto")

@@ -1,0 +1,21 @@
+"""Hugging Face <-> Tessera for Qwen 3.5 dense (`Qwen3_5ForCausalLM`; a `Qwen3_5ForConditionalGeneration`
+folder's text model): tessera/models/common/qwen3_5_hf.py."""
+
+from tessera.models.common import hf as shared, qwen3_5_hf as common
+from tessera.models.common.qwen3_5_args import Qwen35Args
+
+to_hf, from_hf, stored_names, fit_to_weights = common.to_hf, common.from_hf, common.stored_names, common.fit_to_weights
+MODEL_TYPE = "qwen3_5_text"
+
+
+def args_from_hf_config(config: dict) -> Qwen35Args:
+    """A `Qwen3_5TextConfig` config.json (or a `Qwen3_5Config` one, its text_config); any pattern of DeltaNet and
+    full-attention layers."""
+    config = common.text_config(config, MODEL_TYPE)
+    return Qwen35Args(**common.common_args(config, "qwen3_5", MODEL_TYPE),
+                      ffn_hidden=shared.positive_int(config, "intermediate_size"))
+
+
+def hf_config(args: Qwen35Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers' Qwen3_5ForCausalLM."""
+    return common.common_config(args, "Qwen3_5ForCausalLM", MODEL_TYPE, bos_id, eos_id)

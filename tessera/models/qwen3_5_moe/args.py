@@ -1,0 +1,42 @@
+"""Qwen 3.5 MoE hyper-parameters and flavors: Qwen 3.5's hybrid blocks, each with a mixture of experts and a
+gated shared expert. Torch-free.
+
+"35B-A3B" is transformers' `Qwen3_5MoeTextConfig` defaults (its docstring's checkpoint, Qwen/Qwen3.5-35B-A3B), with
+the released rope_theta of 1e7 (the class default, 1e4, is a placeholder the released config.json overrides); other
+released sizes are not listed: their config.json could not be read here (no hub access)."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from tessera.models.common.moe_args import MoEArgs
+from tessera.models.common.qwen3_5_args import FULL, LINEAR, Qwen35Args
+
+
+@dataclass
+class Qwen35MoeArgs(Qwen35Args):
+    n_experts: int = 256
+    top_k: int = 8
+    moe_hidden: int = 512  # each routed expert's SwiGLU hidden size
+    shared_hidden: int = 512  # the gated shared expert's
+
+    @property
+    def moe(self) -> MoEArgs:  # every block has experts; top-k weights renormalized (transformers always does)
+        return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, route_norm=True)
+
+    def arch(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("max_seq_len", "ffn_hidden")}
+
+
+# name: dim, layers, heads, kv heads, head_dim, linear k heads, v heads, k/v head dim, experts, top-k, expert and
+# shared hidden
+_TABLE = {
+    "debugmodel_moe": (64, 4, 4, 2, 16, 2, 4, 16, 8, 2, 32),  # for tests and CPU runs
+    "35B-A3B": (2048, 40, 16, 2, 256, 16, 32, 128, 256, 8, 512),
+}
+_TYPES = {"debugmodel_moe": [LINEAR, FULL, LINEAR, FULL]}  # each of two pipeline stages holds both mixers
+FLAVORS = {name: Qwen35MoeArgs(dim=d, n_layers=n, n_heads=h, n_kv_heads=kv, head_dim=hd, linear_k_heads=lk,
+                               linear_v_heads=lv, linear_k_dim=ld, linear_v_dim=ld, n_experts=e, top_k=k,
+                               moe_hidden=mh, shared_hidden=mh, layer_types=_TYPES.get(name, []), rope_theta=1e7,
+                               ffn_hidden=0)
+           for name, (d, n, h, kv, hd, lk, lv, ld, e, k, mh) in _TABLE.items()}
+TAKES_TOKENIZER_VOCAB = {"debugmodel_moe"}

@@ -1,0 +1,267 @@
+"""Qwen 3.5 (dense and MoE): the chunked Gated DeltaNet against its token-by-token recurrence (values and
+gradients, any chunk size), packed documents equal to each document alone, logits / both HF directions / greedy
+generation against transformers on configs that are no preset (mixed layer_types, GQA, odd head sizes), a
+multimodal release's text weights, the decoding cache against the uncached path, and counts."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tessera.checkpoint.hf import load_hf
+from tessera.generate import generate
+from tessera.models import family, hf_args, num_params
+from tessera.models.common.deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tests.hf_parity import assert_round_trip
+
+DENSE, MOE = family("qwen3_5"), family("qwen3_5_moe")
+L, F = "linear_attention", "full_attention"
+
+
+def _inputs(bsz: int, seq: int, heads: int, dk: int, dv: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(bsz, seq, heads, dk, generator=gen), dim=-1) for _ in "qk")
+    v = torch.randn(bsz, seq, heads, dv, generator=gen)
+    g = -torch.rand(bsz, seq, heads, generator=gen) * 0.5
+    beta = torch.rand(bsz, seq, heads, generator=gen)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_chunked_delta_rule_equals_the_recurrence_values_and_gradients(chunk):
+    inputs = _inputs(2, 37, 3, 8, 6)
+    documents = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 37])
+    state = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(3))
+    for docs, start in ((None, state), (documents, None)):
+        want, want_state = recurrent_gated_delta_rule(*inputs, state=start, documents=docs)
+        got, got_state = chunk_gated_delta_rule(*inputs, chunk_size=chunk, state=start, documents=docs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+        weights = torch.randn_like(want)
+        grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (want, got)]
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_packed_documents_equal_each_document_alone():
+    """The state and the convolution's window reset at each document's first token: the mixer on packed
+    documents equals it on each alone, and so does the whole model (positions counted per document)."""
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
+    for p in mixer.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    mixer.chunk_size = 8
+    lengths = [5, 13, 1, 11]
+    x = torch.randn(1, sum(lengths), 32)
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    alone = torch.cat([mixer(part) for part in x.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(mixer(x, documents=documents), alone, rtol=1e-5, atol=1e-5)
+
+    args = dataclasses.replace(DENSE.flavors["tiny"], vocab_size=50, max_seq_len=32)
+    model = _random_model(DENSE, args)
+    tokens = torch.randint(0, 50, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    alone = torch.cat([model(part) for part in tokens.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(model(tokens, documents=documents, positions=positions), alone, rtol=1e-5, atol=1e-5)
+
+
+def _random_model(fam, args):
+    with torch.device("meta"):
+        model = fam.spec().model(args)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.param_init(name, p, gen)
+            if p.dim() == 1:  # norms at 0 (1-centred) and the like: perturbed, so that they count
+                p.add_(torch.rand(p.shape, generator=gen) * 0.4)
+    return model.eval()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fam", [DENSE, MOE], ids=["dense", "moe"])
+def test_cached_decoding_equals_the_uncached_path(fam):
+    """The cache keeps the DeltaNet's convolution inputs and state (and attention's keys and values): a prefill
+    then one token at a time gives the logits of the whole sequence at once, and greedy generation agrees."""
+    flavor = "tiny" if fam is DENSE else "debugmodel_moe"
+    model = _random_model(fam, dataclasses.replace(fam.flavors[flavor], vocab_size=60, max_seq_len=40))
+    tokens = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = model.new_cache(2, 30, torch.float32)
+        steps = [model(tokens[:, :11], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(11, 30)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    prompt = [3, 17, 42, 5]
+    assert generate(model, prompt, 10, use_cache=True) == generate(model, prompt, 10, use_cache=False)
+
+
+@pytest.mark.fast
+def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs(caplog):
+    from tessera.models.common.qwen3_5_options import Qwen35Options, apply_options
+
+    with torch.device("meta"):
+        model = DENSE.spec().model(dataclasses.replace(DENSE.flavors["tiny"], vocab_size=50))
+    with caplog.at_level("INFO", logger="tessera"):
+        apply_options(model, Qwen35Options(chunk_size=8, kernel="auto"), torch.device("cpu"), rank0=True)
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert len(layers) == 2 and {(m.chunk_size, m.kernel) for m in layers} == {(8, "auto")}
+    assert [r.getMessage() for r in caplog.records] == [
+        "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk"]
+    # the convolution's taps are per-channel filters: never Muon's matrices
+    roles = [MOE.param_role(f"layers.0.attention.{n}", (8, 4)) for n in ("heads.conv_q", "wq.weight")]
+    assert roles == ["vector", None]
+
+
+def test_counts_equal_the_models_built():
+    for fam in (DENSE, MOE):
+        for args in fam.flavors.values():
+            with torch.device("meta"):
+                model = fam.spec().model(dataclasses.replace(args, vocab_size=args.vocab_size or 256))
+            assert fam.counts(model.args, 128).params == num_params(model)
+    linear = DENSE.counts(DENSE.flavors["9B"], 2048).flops_per_token
+    assert DENSE.counts(DENSE.flavors["9B"], 4096).flops_per_token - linear < 0.2 * linear  # 1 block in 4 grows
+
+
+# --- Hugging Face both ways -----------------------------------------------------------------------------------
+
+ODD = {  # transformers' Qwen3_5(Moe)TextConfig fields; none is a preset
+    "mixed_gqa": dict(layer_types=[L, F, L]),
+    "full_first_mqa": dict(layer_types=[F, L, L], num_key_value_heads=1,
+                           linear_num_key_heads=1, linear_num_value_heads=3, linear_value_head_dim=10,
+                           linear_conv_kernel_dim=3, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e5, "partial_rotary_factor": 0.5}),
+}
+
+
+def _theirs(path, moe: bool, multimodal: bool = False, **overrides):
+    transformers = pytest.importorskip("transformers")
+    text = {**dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=97, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=12, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                **(dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=40) if moe else dict(intermediate_size=80))), **overrides}
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    if multimodal:
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48)
+        config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
+        cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
+    else:
+        config = getattr(transformers, f"{prefix}TextConfig")(**text)
+        cls = getattr(transformers, f"{prefix}ForCausalLM")
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # HF starts norms at 0 (1-centred) or 1, and the router at 0: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name or "mlp.gate" in name or "experts" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("fam, case", [(DENSE, "mixed_gqa"), (DENSE, "full_first_mqa"), (MOE, "mixed_gqa")],
+                         ids=["dense-mixed_gqa", "dense-full_first_mqa", "moe-mixed_gqa"])
+def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, fam, case):
+    transformers = pytest.importorskip("transformers")
+    moe = fam is MOE
+    theirs = _theirs(tmp_path / "in", moe, **ODD[case])
+    args = dataclasses.replace(hf_args(fam.name, str(tmp_path / "in")), max_seq_len=80)
+    assert all(args.arch() != f.arch() for f in fam.flavors.values())
+    ours = _random_model(fam, args)
+    assert fam.counts(args, 32).params == num_params(ours)
+    for module in ours.modules():  # several chunks in 80 tokens (transformers' is 64)
+        if isinstance(module, GatedDeltaNet):
+            module.chunk_size = 16
+    load_hf(ours, tmp_path / "in")
+    tokens = torch.randint(0, 97, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    assert_round_trip(theirs, ours, args, cls, tmp_path / "in", tmp_path)
+
+
+@pytest.mark.parametrize("fam", [DENSE, MOE], ids=["dense", "moe"])
+def test_a_multimodal_release_loads_its_text_model(tmp_path, fam, caplog):
+    """A ...ForConditionalGeneration folder: the text model under model.language_model., its config in
+    text_config; the vision tower is left out with one line."""
+    theirs = _theirs(tmp_path / "in", fam is MOE, multimodal=True, layer_types=[L, L, F])
+    args = dataclasses.replace(hf_args(fam.name, str(tmp_path / "in")), max_seq_len=32)
+    ours = _random_model(fam, args)
+    with caplog.at_level("WARNING", logger="tessera"):
+        load_hf(ours, tmp_path / "in")
+    assert sum("vision tower" in r.message for r in caplog.records) == 1
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+# --- layouts: each equals one process -------------------------------------------------------------------------
+
+STEPS = 3
+_DENSE = ["--model.name", "qwen3_5", "--model.flavor", "tiny", "--qwen3_5.chunk_size", "8"]
+_MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qwen3_5_moe.chunk_size", "8"]
+
+
+def test_layouts_equal_one_process(tmp_path):
+    """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
+    head), PP (each stage a DeltaNet and a full-attention block) of the dense model; EP and TP of the MoE one.
+    Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
+    from tests.dist_worker import run_grads
+    from tests.launch import assert_matches, run_cases
+
+    refs = {name: run_grads([*argv, "--training.local_batch_size", "8"], STEPS)
+            for name, argv in (("dense", _DENSE), ("moe", _MOE))}
+    tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
+    cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
+             "dense tp2": [*_DENSE, "--training.local_batch_size", "8", *tp],
+             "dense fsdp2 op AC": [*_DENSE, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                                   "selective", "--activation_checkpoint.selective_ac_option", "op"],
+             "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
+             "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+             "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp]}
+    for name, got in zip(cases, run_cases(2, tmp_path, list(cases.values()), STEPS), strict=True):
+        try:
+            assert_matches(got, refs[name.split()[0]], 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("argv", "world", "line"), [
+    ([*_DENSE, "--parallelism.context_parallel_degree", "2"], 2,
+     "parallelism.context_parallel_degree: qwen3_5 tiny's Gated DeltaNet layers carry a recurrent state"),
+    ([*_MOE, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
+     "parallelism.context_parallel_degree: qwen3_5_moe debugmodel_moe's Gated DeltaNet layers"),
+])
+def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
+    from tessera.config import ConfigError
+    from tessera.preflight import parse_args, validate
+
+    with pytest.raises(ConfigError, match="^" + line.replace("(", r"\(").replace(")", r"\)")):
+        validate(parse_args(argv), world)
+    wide_attention = dataclasses.replace(DENSE.flavors["tiny"], n_heads=8, n_kv_heads=4)  # DeltaNet's 2 key heads
+    with pytest.raises(ValueError, match=r"4 does not divide the DeltaNet key heads \(2\) of tiny"):
+        DENSE.check_layout(wide_attention, 4, 1, 1, "tiny")
+
+
+def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
+    """TP 2 with EP 2: each rank reads and writes its shards of DeltaNet's fused q/k/v and convolution (DTensors
+    split by head, as FSDP splits them too) and of the experts; lr 0 keeps the weights, so the export equals the
+    transformers model exactly."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.launch import run_dist
+
+    theirs = _theirs(tmp_path / "hf_in", True, vocab_size=300, layer_types=[L, F, L, F], num_hidden_layers=4)
+    run = ["--model.name", "qwen3_5_moe", "--model.flavor=", "--training.steps", "1", "--optimizer.lr", "0",
+           "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+           "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
+           "--training.local_batch_size", "2"]
+    for name, layout in (("tp_ep", ["--parallelism.tensor_parallel_degree", "2",
+                                    "--parallelism.expert_parallel_degree", "2"]),):
+        run_dist(2, tmp_path / name, *run, *layout)
+        exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
+        for key, value in theirs.state_dict().items():
+            torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=f"{name} {key}")
