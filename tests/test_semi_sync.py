@@ -1,0 +1,187 @@
+"""Semi-synchronous replica groups (fault_tolerance.semi_sync_method): DiLoCo and LocalSGD against a reference in
+plain PyTorch, LocalSGD every step with SGD against synchronous groups, a whole-job restart, a group SIGKILLed
+mid-window. Each replica group is its own launch, as in a real job."""
+
+import copy
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.data import build_dataloader
+from tessera.ft import local
+from tessera.ft.local import kill, wait_for
+from tests.test_fault_tolerance import final_weights, finish, ft_flags, rows, start_group, start_single
+
+pytest.importorskip("torchft")
+
+STEPS = 6
+DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
+
+
+@pytest.fixture
+def lighthouse():
+    server, address = local.start_lighthouse()
+    yield address
+    server.shutdown()
+
+
+def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps: int, steps: int = STEPS,
+              outer: tuple[float, float] = (0.7, 0.9)) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """(final weights, each group's per-step losses) of `groups` groups in plain PyTorch, group g taking the
+    samples of data-parallel ranks g x ranks .. g x ranks + ranks - 1 (what its FSDP ranks read): inner steps with
+    the run's optimizer (AdamW, or SGD) and schedule, clipped at training.max_norm; every sync_steps the weights
+    averaged (local_sgd) or the averaged pseudo-gradient applied by an outer Nesterov SGD (diloco)."""
+    from tessera.optim import build_lr_scheduler
+    from tests.dist_worker import _trainer
+
+    with tempfile.TemporaryDirectory() as dump:
+        tr = _trainer(argv, steps, dump)  # in-process, one rank: the seed's initial weights, the tokenizer
+    cfg, o = tr.cfg, tr.cfg.optimizer
+    models = [copy.deepcopy(tr.model) for _ in range(groups)]
+    loaders = [[build_dataloader(cfg, tr.tokenizer, g * ranks + r, groups * ranks) for r in range(ranks)]
+               for g in range(groups)]
+    inner = [torch.optim.SGD(m.parameters(), lr=o.lr, weight_decay=o.weight_decay) if o.name == "SGD" else
+             torch.optim.AdamW(m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                               weight_decay=o.weight_decay) for m in models]
+    schedules = [build_lr_scheduler(opt, cfg.lr_scheduler, steps) for opt in inner]
+    synced = copy.deepcopy(tr.model)  # the weights at the last sync, stepped by the outer optimizer
+    outer_sgd = torch.optim.SGD(synced.parameters(), lr=outer[0], momentum=outer[1], nesterov=True)
+    losses: list[list[float]] = [[] for _ in range(groups)]
+    for step in range(1, steps + 1):
+        for g, model in enumerate(models):
+            batches = [loader.next_batch() for loader in loaders[g]]
+            tokens, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+            inner[g].zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+            inner[g].step()
+            schedules[g].step()
+            losses[g].append(loss.item())
+        if step % sync_steps:
+            continue
+        with torch.no_grad():
+            for name, p in synced.named_parameters():
+                mine = [dict(m.named_parameters())[name] for m in models]
+                if method == "local_sgd":
+                    p.copy_(sum(mine) / groups)
+                else:
+                    p.grad = sum(p - q for q in mine) / groups
+            if method == "diloco":
+                outer_sgd.step()
+            for m in models:
+                m.load_state_dict(synced.state_dict())
+    return {n: p.detach().clone() for n, p in synced.named_parameters()}, losses
+
+
+def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
+    assert got.keys() >= want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=tol, rtol=0, msg=name)
+
+
+def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str]:
+    """Two replica groups to the end: groups of `nproc` ranks (torchrun), or of one process (0)."""
+    flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
+    procs = [start_group(nproc, dump, *args, *flags[i]) if nproc else start_single(dump, *args, *flags[i], delay=0.0)
+             for i in range(2)]
+    return [finish(proc) for proc in procs]
+
+
+def test_diloco_two_groups_of_fsdp2_equal_the_reference(tmp_path, lighthouse):
+    """2 groups x FSDP 2, DiLoCo every 2 steps for 3 windows: the weights and each group's losses equal the plain
+    PyTorch reference; the metrics count the syncs and the bytes sent."""
+    args = [*DILOCO, "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(STEPS)]
+    run_job(tmp_path / "ft", lighthouse, *args, nproc=2)
+    want, losses = reference([], groups=2, ranks=2, method="diloco", sync_steps=2)
+    assert_weights(final_weights(tmp_path / "ft" / "checkpoint" / "replica_0"), want)
+    for g in range(2):
+        got = rows(tmp_path / "ft", g)
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        for r, loss in zip(got, losses[g], strict=True):
+            assert abs(r["loss"] - loss) < 1e-5, (g, r["step"])
+        assert [r["ft/syncs"] for r in got] == [0, 1, 1, 2, 2, 3] and got[-1]["ft/failed_syncs"] == 0
+        assert got[-1]["ft/sync_mb"] > 0 and got[-1]["ft/sync_bytes_per_token"] > 0
+    assert rows(tmp_path / "ft", 0)[-1]["ft/weights_digest"] == rows(tmp_path / "ft", 1)[-1]["ft/weights_digest"]
+
+
+def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchronous_groups(tmp_path, lighthouse):
+    """LocalSGD every 3 steps (groups of one process) equals the reference; LocalSGD every step with plain SGD
+    (no clipping) equals synchronous replica groups with SGD."""
+    local_sgd = ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3",
+                 "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(STEPS)]
+    run_job(tmp_path / "local", lighthouse, *local_sgd)
+    want, _ = reference([], groups=2, ranks=1, method="local_sgd", sync_steps=3)
+    assert_weights(final_weights(tmp_path / "local" / "checkpoint" / "replica_1"), want)
+    sgd = ["--optimizer.name", "SGD", "--optimizer.lr", "0.1", "--training.max_norm", "1e9", "--training.steps", "4",
+           "--checkpoint.enable", "--checkpoint.interval", "4"]
+    run_job(tmp_path / "every", lighthouse, *sgd, "--fault_tolerance.semi_sync_method", "local_sgd",
+            "--fault_tolerance.sync_steps", "1")
+    run_job(tmp_path / "sync", lighthouse, *sgd)
+    assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"),
+                   final_weights(tmp_path / "sync" / "checkpoint"))
+
+
+def test_whole_job_restart_resumes_diloco_exactly(tmp_path, lighthouse):
+    """DiLoCo every 2 steps, saved at step 3 (mid-window) and 6, equals the reference; relaunched with step 6
+    gone, both groups resume step 3 from their own checkpoints (the outer momentum and last-sync weights with it)
+    and repeat 4-6 bit for bit."""
+    dump = tmp_path / "job"
+    args = [*DILOCO, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--checkpoint.last_save_model_only", "false"]
+    run_job(dump, lighthouse, *args)
+    want, _ = reference([], groups=2, ranks=1, method="diloco", sync_steps=2)
+    assert_weights(final_weights(dump / "checkpoint" / "replica_1"), want)
+    for i in range(2):  # each group saves its own: their inner optimizers differ
+        shutil.rmtree(dump / "checkpoint" / f"replica_{i}" / "step-6")
+    first = {i: {r["step"]: r for r in rows(dump, i)} for i in range(2)}
+    second = run_job(dump, lighthouse, *args)
+    for i in range(2):
+        assert "resumed from checkpoint step 3" in second[i]
+        again = rows(dump, i)[-3:]
+        assert [r["step"] for r in again] == [4, 5, 6]
+        for r in again:
+            keys = ("loss", "grad_norm", "ft/state_digest")
+            assert [r[k] for k in keys] == [first[i][r["step"]][k] for k in keys], (i, r["step"])
+
+
+def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse):
+    """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
+    alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the
+    outer state included) and takes part in it; from then on both hold the same weights after every sync."""
+    dump, steps = tmp_path / "job", 40
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4", "--training.steps",
+            str(steps)]
+    flags = [ft_flags(lighthouse, i) for i in range(2)]
+    procs = [start_single(dump, *args, *flags[i]) for i in range(2)]
+    step_of = lambda g: rows(dump, g)[-1]["step"] if rows(dump, g) else 0  # noqa: E731
+    try:
+        wait_for("first window", lambda: step_of(1) >= 6, procs)
+        kill(procs[1])
+        killed_at = step_of(1)
+        wait_for("group 0 syncs alone", lambda: any(r["ft/quorum"] == 1 and r["step"] % 4 == 0 and
+                                                    r["step"] > killed_at for r in rows(dump, 0)), procs[:1])
+        before = len(rows(dump, 1))
+        procs[1] = start_single(dump, *args, *flags[1])
+        for proc in procs:
+            proc.wait(timeout=180)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill(proc)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, procs[1].log.read_text()[-3000:]
+    a, back = rows(dump, 0), rows(dump, 1)[before:]
+    assert [r["step"] for r in a] == list(range(1, steps + 1))  # group 0 never stopped
+    # Every sync committed, unless the kill fell inside one
+    assert a[-1]["ft/syncs"] + a[-1]["ft/failed_syncs"] == steps // 4 and a[-1]["ft/failed_syncs"] <= 1
+    # It rejoined at a sync: its first step back follows a sync point past the kill, which it took part in.
+    assert back[0]["ft/recoveries"] == 1 and back[0]["step"] % 4 == 1 and back[0]["step"] > killed_at + 1
+    assert "recovered step" in procs[1].log.read_text()
+    ours = {r["step"]: r["ft/weights_digest"] for r in a}
+    synced = [r for r in back if r["step"] % 4 == 0]
+    assert synced and all(r["ft/weights_digest"] == ours[r["step"]] for r in synced)
+    assert all(r["ft/quorum"] == 2 for r in synced)
