@@ -34,14 +34,15 @@ def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps:
     """(final weights, each group's per-step losses) of `groups` groups in plain PyTorch, group g taking the
     samples of data-parallel ranks g x ranks .. g x ranks + ranks - 1 (what its FSDP ranks read): inner steps with
     the run's optimizer (AdamW, or SGD) and schedule, clipped at training.max_norm; every sync_steps the weights
-    averaged (local_sgd) or the averaged pseudo-gradient applied by an outer Nesterov SGD (diloco)."""
+    averaged (local_sgd) or the averaged pseudo-gradient applied by an outer Nesterov SGD (diloco). "sync": one
+    model, its gradients averaged over the groups every step (synchronous replica groups)."""
     from tessera.optim import build_lr_scheduler
     from tests.dist_worker import _trainer
 
     with tempfile.TemporaryDirectory() as dump:
         tr = _trainer(argv, steps, dump)  # in-process, one rank: the seed's initial weights, the tokenizer
     cfg, o = tr.cfg, tr.cfg.optimizer
-    models = [copy.deepcopy(tr.model) for _ in range(groups)]
+    models = [copy.deepcopy(tr.model) for _ in range(1 if method == "sync" else groups)]
     loaders = [[build_dataloader(cfg, tr.tokenizer, g * ranks + r, groups * ranks) for r in range(ranks)]
                for g in range(groups)]
     inner = [torch.optim.SGD(m.parameters(), lr=o.lr, weight_decay=o.weight_decay) if o.name == "SGD" else
@@ -52,16 +53,22 @@ def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps:
     outer_sgd = torch.optim.SGD(synced.parameters(), lr=outer[0], momentum=outer[1], nesterov=True)
     losses: list[list[float]] = [[] for _ in range(groups)]
     for step in range(1, steps + 1):
-        for g, model in enumerate(models):
+        for g in range(groups):
+            model, m = (models[0], 0) if method == "sync" else (models[g], g)
             batches = [loader.next_batch() for loader in loaders[g]]
             tokens, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
             loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
-            inner[g].zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-            inner[g].step()
-            schedules[g].step()
+            (loss / groups if method == "sync" else loss).backward()
             losses[g].append(loss.item())
+            if method == "sync" and g < groups - 1:
+                continue  # the groups' gradients add up: their mean
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+            inner[m].step()
+            schedules[m].step()
+            inner[m].zero_grad()
+        if method == "sync":
+            synced = models[0]
+            continue
         if step % sync_steps:
             continue
         with torch.no_grad():
@@ -111,7 +118,7 @@ def test_diloco_two_groups_of_fsdp2_equal_the_reference(tmp_path, lighthouse):
 
 def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchronous_groups(tmp_path, lighthouse):
     """LocalSGD every 3 steps (groups of one process) equals the reference; LocalSGD every step with plain SGD
-    (no clipping) equals synchronous replica groups with SGD."""
+    (no clipping) equals synchronous replica groups with SGD (gradients averaged every step, in plain PyTorch)."""
     local_sgd = ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3",
                  "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(STEPS)]
     run_job(tmp_path / "local", lighthouse, *local_sgd)
@@ -121,9 +128,8 @@ def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchrono
            "--checkpoint.enable", "--checkpoint.interval", "4"]
     run_job(tmp_path / "every", lighthouse, *sgd, "--fault_tolerance.semi_sync_method", "local_sgd",
             "--fault_tolerance.sync_steps", "1")
-    run_job(tmp_path / "sync", lighthouse, *sgd)
-    assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"),
-                   final_weights(tmp_path / "sync" / "checkpoint"))
+    synchronous, _ = reference(sgd, groups=2, ranks=1, method="sync", sync_steps=1, steps=4)
+    assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"), synchronous)
 
 
 def test_whole_job_restart_resumes_diloco_exactly(tmp_path, lighthouse):
@@ -153,29 +159,30 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
     """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
     alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the
     outer state included) and takes part in it; from then on both hold the same weights after every sync."""
-    dump, steps = tmp_path / "job", 40
+    dump, steps = tmp_path / "job", 120
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4", "--training.steps",
             str(steps)]
     flags = [ft_flags(lighthouse, i) for i in range(2)]
-    procs = [start_single(dump, *args, *flags[i]) for i in range(2)]
+    procs = [start_single(dump, *args, *flags[i], delay=0.2) for i in range(2)]
     step_of = lambda g: rows(dump, g)[-1]["step"] if rows(dump, g) else 0  # noqa: E731
     try:
         wait_for("first window", lambda: step_of(1) >= 6, procs)
         kill(procs[1])
-        killed_at = step_of(1)
-        wait_for("group 0 syncs alone", lambda: any(r["ft/quorum"] == 1 and r["step"] % 4 == 0 and
-                                                    r["step"] > killed_at for r in rows(dump, 0)), procs[:1])
-        before = len(rows(dump, 1))
-        procs[1] = start_single(dump, *args, *flags[1])
+        killed_at, before = step_of(1), len(rows(dump, 1))
+        procs[1] = start_single(dump, *args, *flags[1], delay=0.2)  # its start-up takes several syncs of group 0
         for proc in procs:
-            proc.wait(timeout=180)
+            proc.wait(timeout=240)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 kill(proc)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, procs[1].log.read_text()[-3000:]
     a, back = rows(dump, 0), rows(dump, 1)[before:]
-    assert [r["step"] for r in a] == list(range(1, steps + 1))  # group 0 never stopped
+    # Group 0 never stopped (a group that starts later than the other copies it at its first sync).
+    assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1))
+    after = [r for r in a if r["step"] > killed_at]
+    alone = [r["step"] for r in after if r["ft/quorum"] == 1 and r["step"] % 4 == 0]
+    assert alone and after[0]["ft/recoveries"] == a[-1]["ft/recoveries"]  # it synced alone, copied nothing
     # Every sync committed, unless the kill fell inside one
     assert a[-1]["ft/syncs"] + a[-1]["ft/failed_syncs"] == steps // 4 and a[-1]["ft/failed_syncs"] <= 1
     # It rejoined at a sync: its first step back follows a sync point past the kill, which it took part in.
