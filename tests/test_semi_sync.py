@@ -192,3 +192,56 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
     synced = [r for r in back if r["step"] % 4 == 0]
     assert synced and all(r["ft/weights_digest"] == ours[r["step"]] for r in synced)
     assert all(r["ft/quorum"] == 2 for r in synced)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flags, line", [
+    (["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.outer_lr", "0.5"],
+     "fault_tolerance.outer_lr: applies to semi_sync_method = diloco, this run is local_sgd"),
+    ([*DILOCO, "--fault_tolerance.num_fragments", "3"],
+     "fault_tolerance.num_fragments: 3 does not divide sync_steps 2"),
+    (["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "8",
+      "--fault_tolerance.num_fragments", "2", "--fault_tolerance.fragment_sync_delay", "4"],
+     "fault_tolerance.fragment_sync_delay: 4 is not below sync_steps / num_fragments = 4"),
+    (["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "8",
+      "--fault_tolerance.fragment_sync_delay", "1", "--checkpoint.enable", "--checkpoint.interval", "12"],
+     "checkpoint.interval: 12 is not a multiple of sync_steps / num_fragments = 8"),
+])
+def test_settings_that_do_not_fit_are_refused_in_one_line(flags, line):
+    from tessera.config import ConfigError, parse_args
+    from tessera.ft.check import check_semi_sync
+
+    with pytest.raises(ConfigError) as err:
+        check_semi_sync(parse_args(["--fault_tolerance.enable", *flags]))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+@pytest.mark.fast
+def test_fragments_hold_consecutive_layers_the_embedding_first_and_the_head_last():
+    from tessera.ft.semisync import fragments
+
+    model = torch.nn.Module()
+    model.tok_embeddings = torch.nn.Embedding(4, 2)
+    model.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(2, 2) for i in range(4)})
+    model.norm, model.output = torch.nn.LayerNorm(2), torch.nn.Linear(2, 4)
+    parts = [[name.rsplit(".", 1)[0] for name, _ in part] for part in fragments(model, 2, None)]
+    assert [sorted(set(p)) for p in parts] == [["layers.0", "layers.1", "tok_embeddings"],
+                                               ["layers.2", "layers.3", "norm", "output"]]
+
+
+@pytest.mark.fast
+def test_the_estimate_prices_the_link_between_groups():
+    from tessera.config import parse_args
+    from tessera.estimate.cost import Cluster, replica_sync
+
+    def line(*flags: str) -> str:
+        cfg = parse_args(["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", *flags])
+        return replica_sync(cfg.fault_tolerance, 10**9, 8, 1.0, Cluster(inter_group_gbps=1.0))
+
+    # 2 groups: each rank all-reduces its 0.5 GB of fp32 gradients, a ring's 2 x 1/2 of it, at 1 GB/s
+    assert line() == ("2 replica groups at 1 GB/s per GPU between them (--inter_group_gbps): averaging the gradients "
+                      "every step adds 0.5 s per step (+50%); diloco every 20 steps (fault_tolerance.semi_sync_method "
+                      "= diloco would) adds 0.025 s (+2%), 20x less")
+    streaming = line("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "10",
+                     "--fault_tolerance.num_fragments", "5", "--fault_tolerance.fragment_sync_delay", "1")
+    assert streaming.endswith("diloco every 10 steps is hidden behind the inner steps")  # 0.1 s behind 1 step

@@ -21,7 +21,7 @@ from tessera.checkpoint.manager import find_resume
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, trace
-from tessera.estimate.cost import Cluster, StepTime, step_time
+from tessera.estimate.cost import Cluster, StepTime, replica_sync, step_time
 from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
 
@@ -76,6 +76,7 @@ def layout_name(dims) -> str:
 def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
     """The config as it runs on `device` (cuda or cpu); whether its tokenizer is there; notes for the reader."""
     cfg, notes = copy.deepcopy(cfg), []
+    cfg.fault_tolerance.enable = False  # one replica group is estimated (its lighthouse is no concern here)
     t = cfg.training
     # The data does not change what a step holds (tokens are tokens): the built-in corpus stands in, so a config
     # whose data is on the cluster estimates anywhere.
@@ -102,6 +103,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
              exact: bool = False) -> Estimate:
     """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `exact`:
     trace every block, not one or two of each kind (see `sampled`)."""
+    groups = cfg.fault_tolerance
     cfg, has_tokenizer, notes = prepare(cfg, device)
     dims = validate(cfg, world_size)
     fam = models.family(cfg.model.name)
@@ -125,6 +127,8 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     counts = fam.counts(args, t.seq_len)
     cluster = cluster or Cluster()
     time = step_time(cfg, dims, args, counts, grad_accum, cluster)
+    if line := replica_sync(groups, counts.params, dims.world_size // dims.dp_replicate, time.seconds, cluster):
+        notes.append(line)
     return Estimate(cfg.model.name, cfg.model.flavor, world_size, layout_name(dims), device, t.seq_len,
                     t.local_batch_size, grad_accum, counts.params, kinds, time, cluster, notes)
 
