@@ -91,12 +91,16 @@ def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         torch.testing.assert_close(got[name], want[name], atol=tol, rtol=0, msg=name)
 
 
-def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str]:
-    """Two replica groups to the end: groups of `nproc` ranks (torchrun), or of one process (0)."""
+def start_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list:
+    """Two replica groups: of `nproc` ranks (torchrun), or of one process (0)."""
     flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
-    procs = [start_group(nproc, dump, *args, *flags[i]) if nproc else start_single(dump, *args, *flags[i], delay=0.0)
-             for i in range(2)]
-    return [finish(proc) for proc in procs]
+    return [start_group(nproc, dump, *args, *flags[i]) if nproc else start_single(dump, *args, *flags[i], delay=0.0)
+            for i in range(2)]
+
+
+def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str]:
+    """Two replica groups to the end; their logs."""
+    return [finish(proc) for proc in start_job(dump, lighthouse, *args, nproc=nproc)]
 
 
 def test_diloco_two_groups_of_fsdp2_equal_the_reference(tmp_path, lighthouse):
@@ -121,13 +125,19 @@ def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchrono
     (no clipping) equals synchronous replica groups with SGD (gradients averaged every step, in plain PyTorch)."""
     local_sgd = ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3",
                  "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(STEPS)]
-    run_job(tmp_path / "local", lighthouse, *local_sgd)
-    want, _ = reference([], groups=2, ranks=1, method="local_sgd", sync_steps=3)
-    assert_weights(final_weights(tmp_path / "local" / "checkpoint" / "replica_1"), want)
     sgd = ["--optimizer.name", "SGD", "--optimizer.lr", "0.1", "--training.max_norm", "1e9", "--training.steps", "4",
            "--checkpoint.enable", "--checkpoint.interval", "4"]
-    run_job(tmp_path / "every", lighthouse, *sgd, "--fault_tolerance.semi_sync_method", "local_sgd",
-            "--fault_tolerance.sync_steps", "1")
+    server, other = local.start_lighthouse()  # the two jobs at once, each with its own lighthouse
+    try:
+        procs = [*start_job(tmp_path / "local", lighthouse, *local_sgd),
+                 *start_job(tmp_path / "every", other, *sgd, "--fault_tolerance.semi_sync_method", "local_sgd",
+                            "--fault_tolerance.sync_steps", "1")]
+        for proc in procs:
+            finish(proc)
+    finally:
+        server.shutdown()
+    want, _ = reference([], groups=2, ranks=1, method="local_sgd", sync_steps=3)
+    assert_weights(final_weights(tmp_path / "local" / "checkpoint" / "replica_1"), want)
     synchronous, _ = reference(sgd, groups=2, ranks=1, method="sync", sync_steps=1, steps=4)
     assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"), synchronous)
 
@@ -209,11 +219,13 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
 ])
 def test_settings_that_do_not_fit_are_refused_in_one_line(flags, line):
     from tessera.config import ConfigError, parse_args
-    from tessera.ft.check import check_semi_sync
+    from tessera.ft.check import check_config, check_semi_sync
 
     with pytest.raises(ConfigError) as err:
         check_semi_sync(parse_args(["--fault_tolerance.enable", *flags]))
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="^fault_tolerance.semi_sync_method: .* but fault_tolerance.enable is false"):
+        check_config(parse_args(flags), None, False)
 
 
 @pytest.mark.fast

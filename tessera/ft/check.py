@@ -79,6 +79,10 @@ def place_group(cfg: JobConfig) -> None:
 def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
     """The values of [fault_tolerance] and what they need, one line each."""
     if not enabled(cfg):
+        if cfg.fault_tolerance.semi_sync_method != "none":
+            raise ConfigError(f"fault_tolerance.semi_sync_method: {cfg.fault_tolerance.semi_sync_method} syncs "
+                              f"replica groups, but fault_tolerance.enable is false; enable it (one launch per group) "
+                              f"or leave the method at none")
         return
     f = cfg.fault_tolerance
     if f.replica_id >= f.group_size:
