@@ -30,12 +30,17 @@ def lighthouse():
 
 
 def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps: int, steps: int = STEPS,
-              outer: tuple[float, float] = (0.7, 0.9)) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+              outer: tuple[float, float] = (0.7, 0.9), streaming: tuple[int, int, float] = (1, 0, 0.0),
+              group_weights: list | None = None) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """(final weights, each group's per-step losses) of `groups` groups in plain PyTorch, group g taking the
     samples of data-parallel ranks g x ranks .. g x ranks + ranks - 1 (what its FSDP ranks read): inner steps with
     the run's optimizer (AdamW, or SGD) and schedule, clipped at training.max_norm; every sync_steps the weights
     averaged (local_sgd) or the averaged pseudo-gradient applied by an outer Nesterov SGD (diloco). "sync": one
-    model, its gradients averaged over the groups every step (synchronous replica groups)."""
+    model, its gradients averaged over the groups every step (synchronous replica groups). `streaming`: diloco's
+    (fragments, delay, alpha): every sync_steps / fragments steps one fragment's pseudo-gradient, taken `delay`
+    steps before it is applied, and each group's own weights mixed back in by alpha; `group_weights` gets each
+    group's final weights."""
+    from tessera.ft.semisync import fragments
     from tessera.optim import build_lr_scheduler
     from tests.dist_worker import _trainer
 
@@ -52,6 +57,9 @@ def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps:
     synced = copy.deepcopy(tr.model)  # the weights at the last sync, stepped by the outer optimizer
     outer_sgd = torch.optim.SGD(synced.parameters(), lr=outer[0], momentum=outer[1], nesterov=True)
     losses: list[list[float]] = [[] for _ in range(groups)]
+    parts = [[name for name, _ in part] for part in fragments(synced, streaming[0], None)]
+    per, delay, alpha = sync_steps // streaming[0], streaming[1], streaming[2]
+    pending = None
     for step in range(1, steps + 1):
         for g in range(groups):
             model, m = (models[0], 0) if method == "sync" else (models[g], g)
@@ -69,19 +77,35 @@ def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps:
         if method == "sync":
             synced = models[0]
             continue
+        if method == "diloco":
+            params = [dict(m.named_parameters()) for m in models]
+            if step % per == (per - delay) % per:
+                names = parts[((step + delay) // per - 1) % len(parts)]
+                with torch.no_grad():
+                    pending = {n: sum(dict(synced.named_parameters())[n] - q[n] for q in params) / groups
+                               for n in names}
+            if step % per == 0 and pending is not None:
+                with torch.no_grad():
+                    for name, p in synced.named_parameters():
+                        p.grad = pending.get(name)
+                    outer_sgd.step()
+                    outer_sgd.zero_grad(set_to_none=True)
+                    for q in params:
+                        for name in pending:
+                            own = q[name].clone()
+                            q[name].copy_(dict(synced.named_parameters())[name]).lerp_(own, alpha)
+                pending = None
+            continue
         if step % sync_steps:
             continue
         with torch.no_grad():
             for name, p in synced.named_parameters():
                 mine = [dict(m.named_parameters())[name] for m in models]
-                if method == "local_sgd":
-                    p.copy_(sum(mine) / groups)
-                else:
-                    p.grad = sum(p - q for q in mine) / groups
-            if method == "diloco":
-                outer_sgd.step()
+                p.copy_(sum(mine) / groups)
             for m in models:
                 m.load_state_dict(synced.state_dict())
+    if group_weights is not None:
+        group_weights += [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
     return {n: p.detach().clone() for n, p in synced.named_parameters()}, losses
 
 
@@ -140,6 +164,21 @@ def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchrono
     assert_weights(final_weights(tmp_path / "local" / "checkpoint" / "replica_1"), want)
     synchronous, _ = reference(sgd, groups=2, ranks=1, method="sync", sync_steps=1, steps=4)
     assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"), synchronous)
+
+
+def test_streaming_diloco_equals_the_reference(tmp_path, lighthouse):
+    """Streaming DiLoCo: 2 fragments, each sent one step before it is applied, alpha 0.5 (groups of one
+    process): each group's final weights equal the reference's."""
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+            "--fault_tolerance.num_fragments", "2", "--fault_tolerance.fragment_sync_delay", "1",
+            "--fault_tolerance.fragment_update_alpha", "0.5", "--training.steps", "8", "--checkpoint.enable",
+            "--checkpoint.interval", "8"]
+    run_job(tmp_path / "job", lighthouse, *args)
+    groups: list = []
+    reference([], groups=2, ranks=1, method="diloco", sync_steps=4, steps=8, streaming=(2, 1, 0.5),
+              group_weights=groups)
+    for g in range(2):
+        assert_weights(final_weights(tmp_path / "job" / "checkpoint" / f"replica_{g}"), groups[g])
 
 
 def test_whole_job_restart_resumes_diloco_exactly(tmp_path, lighthouse):

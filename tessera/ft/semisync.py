@@ -222,6 +222,7 @@ class SemiSync:
             local(p).copy_(last[name])
         if not committed:
             return
+        self.outer.sgd.zero_grad(set_to_none=True)  # the inner step's gradients: only this fragment's are stepped
         for (_, p), g in zip(fragment, pseudo, strict=True):
             p.grad = like(p, g)
         self.outer.sgd.step()
