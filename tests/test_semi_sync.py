@@ -127,23 +127,6 @@ def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str
     return [finish(proc) for proc in start_job(dump, lighthouse, *args, nproc=nproc)]
 
 
-def test_diloco_two_groups_of_fsdp2_equal_the_reference(tmp_path, lighthouse):
-    """2 groups x FSDP 2, DiLoCo every 2 steps for 3 windows: the weights and each group's losses equal the plain
-    PyTorch reference; the metrics count the syncs and the bytes sent."""
-    args = [*DILOCO, "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(STEPS)]
-    run_job(tmp_path / "ft", lighthouse, *args, nproc=2)
-    want, losses = reference([], groups=2, ranks=2, method="diloco", sync_steps=2)
-    assert_weights(final_weights(tmp_path / "ft" / "checkpoint" / "replica_0"), want)
-    for g in range(2):
-        got = rows(tmp_path / "ft", g)
-        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-        for r, loss in zip(got, losses[g], strict=True):
-            assert abs(r["loss"] - loss) < 1e-5, (g, r["step"])
-        assert [r["ft/syncs"] for r in got] == [0, 1, 1, 2, 2, 3] and got[-1]["ft/failed_syncs"] == 0
-        assert got[-1]["ft/sync_mb"] > 0 and got[-1]["ft/sync_bytes_per_token"] > 0
-    assert rows(tmp_path / "ft", 0)[-1]["ft/weights_digest"] == rows(tmp_path / "ft", 1)[-1]["ft/weights_digest"]
-
-
 def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchronous_groups(tmp_path, lighthouse):
     """LocalSGD every 3 steps (groups of one process) equals the reference; LocalSGD every step with plain SGD
     (no clipping) equals synchronous replica groups with SGD (gradients averaged every step, in plain PyTorch)."""
@@ -181,20 +164,29 @@ def test_streaming_diloco_equals_the_reference(tmp_path, lighthouse):
         assert_weights(final_weights(tmp_path / "job" / "checkpoint" / f"replica_{g}"), groups[g])
 
 
-def test_whole_job_restart_resumes_diloco_exactly(tmp_path, lighthouse):
-    """DiLoCo every 2 steps, saved at step 3 (mid-window) and 6, equals the reference; relaunched with step 6
-    gone, both groups resume step 3 from their own checkpoints (the outer momentum and last-sync weights with it)
-    and repeat 4-6 bit for bit."""
+def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_exactly(tmp_path, lighthouse):
+    """2 groups x FSDP 2, DiLoCo every 2 steps for 3 windows, saved at step 3 (mid-window) and 6: the weights and
+    each group's losses equal the plain PyTorch reference, and the metrics count the syncs and the bytes sent.
+    Relaunched with step 6 gone, both groups resume step 3 from their own checkpoints (the outer momentum and
+    last-sync weights with it, resharded as DTensors) and repeat 4-6 bit for bit."""
     dump = tmp_path / "job"
-    args = [*DILOCO, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+    args = [*DILOCO, "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "3",
             "--checkpoint.last_save_model_only", "false"]
-    run_job(dump, lighthouse, *args)
-    want, _ = reference([], groups=2, ranks=1, method="diloco", sync_steps=2)
+    run_job(dump, lighthouse, *args, nproc=2)
+    want, losses = reference([], groups=2, ranks=2, method="diloco", sync_steps=2)
     assert_weights(final_weights(dump / "checkpoint" / "replica_1"), want)
+    for g in range(2):
+        got = rows(dump, g)
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        for r, loss in zip(got, losses[g], strict=True):
+            assert abs(r["loss"] - loss) < 1e-5, (g, r["step"])
+        assert [r["ft/syncs"] for r in got] == [0, 1, 1, 2, 2, 3] and got[-1]["ft/failed_syncs"] == 0
+        assert got[-1]["ft/sync_mb"] > 0 and got[-1]["ft/sync_bytes_per_token"] > 0
+    assert rows(dump, 0)[-1]["ft/weights_digest"] == rows(dump, 1)[-1]["ft/weights_digest"]
     for i in range(2):  # each group saves its own: their inner optimizers differ
         shutil.rmtree(dump / "checkpoint" / f"replica_{i}" / "step-6")
     first = {i: {r["step"]: r for r in rows(dump, i)} for i in range(2)}
-    second = run_job(dump, lighthouse, *args)
+    second = run_job(dump, lighthouse, *args, nproc=2)
     for i in range(2):
         assert "resumed from checkpoint step 3" in second[i]
         again = rows(dump, i)[-3:]
