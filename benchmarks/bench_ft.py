@@ -1,7 +1,7 @@
 """Fault tolerance (tessera/ft) side by side with the same job without it, in one run on this machine.
 
-    python benchmarks/bench_ft.py [--flavor debugmodel] [--seq_len 128] [--steps 100] [--kill_at 15] [--smoke]
-        [--out benchmarks/results/ft.json]
+    python benchmarks/bench_ft.py [--flavor debugmodel] [--seq_len 128] [--steps 100] [--kill_at 15]
+        [--semi_steps 200] [--smoke] [--out benchmarks/results/ft.json]
 
 (a) Overhead with no failure (--overhead_steps each): 2 replica groups of 1 process under fault tolerance (a
     lighthouse, a quorum and a commit vote per step, gradients averaged over the groups in buckets) against DDP 2
@@ -14,9 +14,14 @@
     - checkpoint restart: the DDP 2 job is killed and relaunched; it resumes from its last checkpoint (interval
       10). Reported: the steps it trains again and the seconds from the kill until it is back at the step it had
       reached.
+(c) Semi-synchronous groups (--semi_steps each, 2 groups of 1 process, the three jobs at once, each with its own
+    lighthouse): per-step groups against DiLoCo syncing every 5 and every 20 steps, after the same tokens: the
+    validation loss at the end (after the last sync, the mean of the two groups' held-out shares), the MB each rank
+    sent to the other group, the bytes per token trained, and the seconds spent in quorums and syncs.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -46,27 +51,42 @@ def finish(proc, timeout: float = 600) -> None:
         raise SystemExit(f"bench_ft: a run failed:\n{proc.log.read_text()[-3000:]}")
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavor", default="debugmodel")
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--kill_at", type=int, default=15)
-    p.add_argument("--interval", type=int, default=10, help="checkpoint interval of the restart side")
-    p.add_argument("--step_delay", type=float, default=0.1, help="seconds added to each step of the fault-tolerant "
-                   "failure run, so that the survivor is still training when the killed group is back")
-    p.add_argument("--overhead_steps", type=int, default=40, help="steps of each run of (a)")
-    p.add_argument("--out", default=str(RESULTS / "ft.json"))
-    smoke_option(p, flavor="tiny", seq_len=32, steps=120, kill_at=7, interval=5, overhead_steps=15)
-    a = p.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="tessera-bench-ft-"))
-    common = ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
-              str(a.batch), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-3"]
-    base, short = [*common, "--training.steps", str(a.steps)], [*common, "--training.steps", str(a.overhead_steps)]
+def semi_sync(a, base: list[str], tmp: Path) -> list[dict]:
+    """(c): one row per method, in one run."""
+    methods = [("every step", []), *((f"diloco/{n}", ["--fault_tolerance.semi_sync_method", "diloco",
+                                                       "--fault_tolerance.sync_steps", str(n)]) for n in (5, 20))]
+    evaluate = ["--training.steps", str(a.semi_steps), "--validation.enable", "--validation.freq", str(a.semi_steps)]
+    servers = [local.start_lighthouse() for _ in methods]
+    jobs = []
+    try:
+        for (name, flags), (_, address) in zip(methods, servers, strict=True):
+            dump = tmp / name.replace(" ", "_").replace("/", "_")
+            argv = [*base, *evaluate, *flags, "--job.dump_folder", str(dump)]
+            jobs.append((name, dump, [local.start_single([*argv, *local.ft_flags(address, i, 2, 2)],
+                                                         tmp / f"{dump.name}{i}.log") for i in range(2)]))
+        for _, _, procs in jobs:
+            for proc in procs:
+                finish(proc)
+    finally:
+        for server, _ in servers:
+            server.shutdown()
+    rows = []
+    for name, dump, _ in jobs:
+        last = [local.rows(dump / f"replica_{i}")[-1] for i in range(2)]
+        validation = [r["validation/loss"] for i in range(2) for r in map(json.loads, (
+            dump / f"replica_{i}" / "metrics.jsonl").read_text().splitlines()) if "validation/loss" in r]
+        rows.append({"method": name, "validation_loss": sum(validation) / len(validation), "syncs": last[0]["ft/syncs"],
+                     "mb_sent_per_rank": last[0]["ft/sync_mb"], "bytes_per_token": last[0]["ft/sync_bytes_per_token"],
+                     "sync_s": last[0]["ft/sync_s"], "tokens_per_group": a.semi_steps * a.batch * a.seq_len})
+    for row in rows:
+        row["bytes_vs_every_step"] = row["mb_sent_per_rank"] / rows[0]["mb_sent_per_rank"]
+    return rows
+
+
+def failures(a, result: dict, base: list[str], short: list[str], tmp: Path) -> None:
+    """(a) and (b), into `result`."""
     server, address = local.start_lighthouse()
     warm = min(3, a.overhead_steps // 3)
-    result: dict = {"flavor": a.flavor, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps}
     try:
         # (a) no failure
         ddp = torchrun([*short, "--job.dump_folder", str(tmp / "ddp"), "--parallelism.data_parallel_replicate_degree",
@@ -133,6 +153,32 @@ def main(argv: list[str]) -> int:
                                         "killed_at_step": reached, "resumed_from_step": resumed}
     finally:
         server.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--kill_at", type=int, default=15)
+    p.add_argument("--interval", type=int, default=10, help="checkpoint interval of the restart side")
+    p.add_argument("--step_delay", type=float, default=0.1, help="seconds added to each step of the fault-tolerant "
+                   "failure run, so that the survivor is still training when the killed group is back")
+    p.add_argument("--overhead_steps", type=int, default=40, help="steps of each run of (a)")
+    p.add_argument("--semi_steps", type=int, default=200, help="steps of each run of (c)")
+    p.add_argument("--semi_only", action="store_true", help="run (c) alone")
+    p.add_argument("--out", default=str(RESULTS / "ft.json"))
+    smoke_option(p, flavor="tiny", seq_len=32, steps=120, kill_at=7, interval=5, overhead_steps=15, semi_steps=20)
+    a = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="tessera-bench-ft-"))
+    common = ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
+              str(a.batch), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-3"]
+    base, short = [*common, "--training.steps", str(a.steps)], [*common, "--training.steps", str(a.overhead_steps)]
+    result: dict = {"flavor": a.flavor, "seq_len": a.seq_len, "batch": a.batch, "steps": a.steps}
+    if not a.semi_only:
+        failures(a, result, base, short, tmp)
+    result["semi_sync"] = semi_sync(a, common, tmp)
     for key, value in result.items():
         print(f"{key}: {value}")
     write_json(a.out, result)

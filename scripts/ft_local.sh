@@ -5,10 +5,12 @@
 # Logs: <job.dump_folder>/replica_<id>/ (metrics.jsonl) and ft-replica_<id>.log here. To try a failure, kill one
 # group's processes (its pid is printed) and start it again with the printed command: it rejoins from a live group.
 # MIN_REPLICAS (default 1): fault_tolerance.min_replica_size. LIGHTHOUSE_PORT (default 29510).
+# SEMI_SYNC (default none): fault_tolerance.semi_sync_method, local_sgd or diloco, syncing every SYNC_STEPS (20).
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
 REPLICA_GROUPS="${REPLICA_GROUPS:-2}" NGPU="${NGPU:-1}" MIN_REPLICAS="${MIN_REPLICAS:-1}" PORT="${LIGHTHOUSE_PORT:-29510}"
+SEMI_SYNC="${SEMI_SYNC:-none}" SYNC_STEPS="${SYNC_STEPS:-20}"
 export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$PORT"
 # The lighthouse forms a quorum of whoever is live (min_replicas 1); the trainer refuses to commit below
 # fault_tolerance.min_replica_size. A dead group is dropped after 5 s without heartbeats.
@@ -29,7 +31,8 @@ PY
 pids=()
 for ((g = 0; g < REPLICA_GROUPS; g++)); do
   cmd=(env NGPU="$NGPU" "$ROOT/run_train.sh" --fault_tolerance.enable true --fault_tolerance.replica_id "$g"
-       --fault_tolerance.group_size "$REPLICA_GROUPS" --fault_tolerance.min_replica_size "$MIN_REPLICAS" "$@")
+       --fault_tolerance.group_size "$REPLICA_GROUPS" --fault_tolerance.min_replica_size "$MIN_REPLICAS"
+       --fault_tolerance.semi_sync_method "$SEMI_SYNC" --fault_tolerance.sync_steps "$SYNC_STEPS" "$@")
   "${cmd[@]}" > "ft-replica_$g.log" 2>&1 &
   pids+=($!)
   echo "tessera: replica group $g: pid $!, log ft-replica_$g.log; relaunch: TORCHFT_LIGHTHOUSE=$TORCHFT_LIGHTHOUSE ${cmd[*]}"

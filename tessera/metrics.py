@@ -149,4 +149,5 @@ def _replicas(m: dict) -> str:
     if "ft/quorum" not in m:
         return ""
     recovered = f" recovered {m['ft/recoveries']}x in {m['ft/recovery_s']:.1f}s" if m["ft/recoveries"] else ""
-    return f"  quorum {m['ft/quorum']}{recovered}"
+    syncs = f" syncs {m['ft/syncs']}" if "ft/failed_syncs" in m else ""  # semi-synchronous groups
+    return f"  quorum {m['ft/quorum']}{syncs}{recovered}"

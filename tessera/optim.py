@@ -21,6 +21,9 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, role=None) -> torch.optim.
     if cfg.name == "Muon":
         return Muon(params, muon_settings(cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                     weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")
+    if cfg.name == "SGD":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=impl == "fused",
+                               foreach=impl == "foreach")
     cls = with_state_dtype(torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam, cfg.state_dtype)
     return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")

@@ -15,6 +15,7 @@ a layout cannot hide), then, best first, checked against the GPU memory with `te
 only when the estimate's peak fits in 90% of the GPU memory. A layout that does not fit rules out, unestimated, those
 of the same degrees that keep more (less recomputation, a larger batch)."""
 
+import copy
 import dataclasses
 import json
 import sys
@@ -24,7 +25,7 @@ from tessera import architecture, models
 from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
-from tessera.estimate.cost import Cluster, cp_method, step_time
+from tessera.estimate.cost import Cluster, cp_method, replica_sync, step_time
 from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 from tessera.preflight import parse_args, validate
@@ -251,10 +252,13 @@ def toml(c: Candidate, seq_len: int) -> str:
 def report(found: list[Candidate], runs: int, cfg: JobConfig, gpus: int, memory_gib: float, clu: Cluster) -> str:
     head = (f"{cfg.model.name} {cfg.model.flavor} on {gpus} GPUs of {memory_gib:g} GiB ({clu.gpus_per_node} per node), "
             f"seq {cfg.training.seq_len}: {len(found)} layout(s) that fit, best first ({runs} memory estimates)")
-    lines = [head]
+    lines, groups = [head], cfg.fault_tolerance
+    from tessera import architecture
+    params = models.family(cfg.model.name).counts(architecture.resolve(cfg, None, None), cfg.training.seq_len).params
     for i, c in enumerate(found, 1):
         lines += ["", f"{i}. {describe(c)}: peak {c.peak / GIB:.1f} GiB per GPU, {c.tokens_per_s:,.0f} tokens/s per "
                       f"GPU (step {c.step_s:.3g} s)", toml(c, cfg.training.seq_len),
+                  *(f"# {line}" for line in [replica_sync(groups, params, gpus // c.replicate, c.step_s, clu)] if line),
                   f"# NGPU=... ./run_train.sh --job.config_file <file> {' '.join(c.flags(cfg.training.seq_len))}"]
     return "\n".join(lines)
 
@@ -273,9 +277,11 @@ def main(argv: list[str]) -> int:
         if cfg.model.flavor == "":
             raise ConfigError("--model.flavor: required; the size to plan for (e.g. 8B)")
         clu = cluster(values)
+        planned = copy.deepcopy(cfg)
+        planned.fault_tolerance.enable = False  # one replica group is planned (its lighthouse is no concern here)
         with quiet():
-            found, runs = plan(cfg, values["gpus"], values["gpu_memory_gib"], values["top"], values["max_estimates"],
-                               clu, values["global_batch_size"])
+            found, runs = plan(planned, values["gpus"], values["gpu_memory_gib"], values["top"],
+                               values["max_estimates"], clu, values["global_batch_size"])
     except ConfigError as err:
         print(f"tessera: {err}", file=sys.stderr)
         return 2

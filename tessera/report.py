@@ -61,8 +61,11 @@ def replica_summary(name: str, run: dict[int, dict]) -> list[str]:
     if not quorum:
         return []
     last = run[max(s for s in run if "ft/quorum" in run[s])]
+    sync = last.get  # runs from before these counts have none
     return [f"| {name} | {min(quorum):.0f} | {last['ft/recoveries']} | {last['ft/recovery_s']:.2f} | "
-            f"{last['ft/degraded_steps']} | {last['ft/uncommitted_steps']} |"]
+            f"{last['ft/degraded_steps']} | {last['ft/uncommitted_steps'] + sync('ft/failed_syncs', 0)} | "
+            f"{sync('ft/syncs', 0)} | {sync('ft/mb_per_sync', 0.0):.2f} | "
+            f"{sync('ft/sync_bytes_per_token', 0.0):,.0f} | {sync('ft/sync_s', 0.0):.2f} |"]
 
 
 def write_report(folders: list[str], out: str | None = None) -> str | None:
@@ -98,7 +101,8 @@ def write_report(folders: list[str], out: str | None = None) -> str | None:
                  "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n")
         if replicas:
             fh.write("| run (fault tolerance) | smallest quorum | recoveries | seconds recovering | steps committed "
-                     "with fewer groups | steps not committed |\n| --- | --- | --- | --- | --- | --- |\n"
+                     "with fewer groups | steps (or syncs) not committed | syncs | MB per sync (a rank) | bytes "
+                     "per token | seconds syncing |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
                      + "\n".join(replicas) + "\n\n")
         fh.write("![report](report.png)\n")
     log.info(f"report: {png} and report.md")

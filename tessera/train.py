@@ -210,6 +210,8 @@ def train(tr: Trainer) -> None:
             tr.step += 1
             after_step()
             tr.tokens_seen += int(tokens_per_step * tr.world.size)
+            if tr.replicas is not None:
+                tr.replicas.after_step()  # semi-synchronous replica groups sync here, every sync_steps
             window_data_s, window_steps = window_data_s + data_s, window_steps + 1
             window_trained = window_trained + trained if trained is not None else None
             last = tr.step == t.steps

@@ -20,6 +20,7 @@ from tessera.data.masks import IGNORE
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.ft import check as ft_check
+from tessera.ft.semisync import build_outer_state
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.models.common.chunked_loss import summed_cross_entropy
 from tessera.models.common.decoder import Decoder
@@ -306,7 +307,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
-                  bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+                  bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model))
     document_bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
     tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader, metrics=build_metrics(cfg, world),

@@ -110,6 +110,11 @@ def check_shapes(path: str, model_state: dict) -> None:
                               f"own model settings or pick another job.dump_folder")
 
 
+def has_key(path: str, prefix: str) -> bool:
+    """The checkpoint at `path` holds an entry whose name starts with `prefix`."""
+    return any(k.startswith(prefix) for k in FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def verify_shared(path: str, marker: dict) -> str | None:
     """The content check of a checkpoint (every file against its digest), its files dealt out among the ranks so
     each is read once; the first problem found, the same on every rank, or None."""
@@ -190,6 +195,7 @@ class Saved:
     progress: Progress
     bos_id: int | None = None  # the tokenizer's: Hugging Face exports' config.json names them
     eos_id: int | None = None
+    outer: Any = None  # fault_tolerance diloco: the outer optimizer and the weights at the last sync (OuterState)
 
 
 class Checkpointer:
@@ -225,7 +231,10 @@ class Checkpointer:
                  "dataloader": tr.data.state_dict(),
                  "rng": {"cpu": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-        return {"model": model, "optimizer": optimizer_state(tr.model, tr.optimizer), "train": train_blob(train)}
+        state = {"model": model, "optimizer": optimizer_state(tr.model, tr.optimizer), "train": train_blob(train)}
+        if tr.outer is not None:
+            state["semi_sync"] = tr.outer.state_dict()
+        return state
 
     # ---- save ----------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool) -> bool:
@@ -430,6 +439,10 @@ class Checkpointer:
             state.pop("optimizer", None)
         if "train" in state:
             state["train"] = train_target(path)
+        if "semi_sync" in state and not has_key(path, "semi_sync."):
+            log.warning(f"fault_tolerance.semi_sync_method = diloco: the checkpoint at {path} has no outer optimizer "
+                        f"state (saved without diloco); the outer momentum starts at zero from its weights")
+            del state["semi_sync"]
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.pg)
         except Exception as e:  # DCP names the storage error; add which checkpoint it was
@@ -443,6 +456,8 @@ class Checkpointer:
             self._say_optimizer_changes(path)
         if "train" in state:
             self._load_train_state(tr, read_train(state["train"]), excluded)
+        if "semi_sync" in state:
+            tr.outer.load_state_dict(state["semi_sync"])
 
     def _say_optimizer_changes(self, path: str) -> None:
         changed = settings_changed(read_saved_config(path).get("optimizer", {}), self.cfg.optimizer)

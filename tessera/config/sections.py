@@ -49,7 +49,8 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "optimizer; Muon: Muon for the blocks' weight matrices (and experts'), AdamW (lr, "
-                    "betas, eps, weight_decay) for the rest", choices=("AdamW", "Adam", "Muon"))
+                    "betas, eps, weight_decay) for the rest; SGD: plain SGD (lr, weight_decay as L2), a reference",
+                    choices=("AdamW", "Adam", "Muon", "SGD"))
     lr: float = opt(8e-4, "peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1", min=0.0, below=1.0)
     beta2: float = opt(0.95, "Adam beta2", min=0.0, below=1.0)
@@ -333,7 +334,8 @@ class Generate:
 @dataclass
 class FaultTolerance:
     """Replica groups under torchft: each group is one ordinary launch; gradients are averaged over the live
-    groups every step, a dead group drops out of the quorum and a relaunched one recovers from a live peer."""
+    groups every step (or, semi-synchronously, the weights every sync_steps), a dead group drops out of the quorum
+    and a relaunched one recovers from a live peer."""
     enable: bool = opt(False, "run this launch as one replica group of a fault-tolerant job (torchft): per-step "
                        "quorum over the live groups through the lighthouse; needs the torchft package")
     replica_id: int = opt(0, "this group's id, 0 .. group_size - 1, unique among the live groups; it picks the "
@@ -354,6 +356,26 @@ class FaultTolerance:
     bucket_mb: int = opt(25, "gradients are averaged across groups in flat buckets of about this size", min=1)
     log_state_digest: bool = opt(False, "debug: log ft/state_digest (a hash of this rank's weights and optimizer "
                                  "state) with the metrics, to compare groups bit for bit")
+    semi_sync_method: str = opt("none", "none = average gradients over the groups every step; local_sgd = each "
+                                "group steps on its own and the weights are averaged every sync_steps; diloco = the "
+                                "same, but the averaged change since the last sync (the pseudo-gradient) is applied "
+                                "by an outer SGD (outer_lr, outer_momentum, outer_nesterov)",
+                                choices=("none", "local_sgd", "diloco"))
+    sync_steps: int = opt(20, "local_sgd / diloco: inner steps between two syncs of the whole model (with "
+                          "num_fragments > 1 one fragment syncs every sync_steps / num_fragments steps)", min=1)
+    num_fragments: int = opt(1, "diloco: the model is synced in this many fragments of consecutive layers (the "
+                             "embedding with the first, the norm and output head with the last), one after the "
+                             "other (Streaming DiLoCo); it divides sync_steps", min=1)
+    fragment_sync_delay: int = opt(0, "diloco: a fragment's pseudo-gradient is sent this many inner steps before "
+                                   "it is applied, overlapping the transfer with training; below sync_steps / "
+                                   "num_fragments", min=0)
+    fragment_update_alpha: float = opt(0.0, "diloco: a synced fragment becomes (1 - alpha) x the outer optimizer's "
+                                       "result + alpha x the group's own weights", min=0.0, max=1.0)
+    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate on the averaged pseudo-gradient", min=0.0)
+    outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum", min=0.0, below=1.0)
+    outer_nesterov: bool = opt(True, "diloco: Nesterov momentum for the outer SGD")
+    should_quantize: bool = opt(False, "diloco: all-reduce the pseudo-gradients in fp8 (torchft's quantized "
+                                "all-reduce: CUDA with triton)")
 
 
 @dataclass

@@ -28,6 +28,8 @@ CLUSTER = {
     "mfu": Flag(float, 0.4, "the share of that peak the step's matmuls reach (0 < mfu <= 1)"),
     "intra_gbps": Flag(float, 450.0, "GB/s per GPU between GPUs of a node (NVLink)"),
     "inter_gbps": Flag(float, 50.0, "GB/s per GPU between nodes (400 Gb/s NICs: 50)"),
+    "inter_group_gbps": Flag(float, 12.5, "GB/s per GPU between fault-tolerance replica groups (another cluster or "
+                                          "cloud: 100 Gb/s = 12.5): per-step groups against DiLoCo"),
 }
 
 

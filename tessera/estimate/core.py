@@ -21,7 +21,7 @@ from tessera.checkpoint.manager import find_resume
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, trace
-from tessera.estimate.cost import Cluster, StepTime, step_time
+from tessera.estimate.cost import Cluster, StepTime, replica_sync, step_time
 from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
 
@@ -77,6 +77,7 @@ def layout_name(dims, cp_method: str = "allgather") -> str:
 def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
     """The config as it runs on `device` (cuda or cpu); whether its tokenizer is there; notes for the reader."""
     cfg, notes = copy.deepcopy(cfg), []
+    cfg.fault_tolerance.enable = False  # one replica group is estimated (its lighthouse is no concern here)
     t = cfg.training
     # The data does not change what a step holds (tokens are tokens): the built-in corpus stands in, so a config
     # whose data is on the cluster estimates anywhere.
@@ -103,6 +104,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
              exact: bool = False) -> Estimate:
     """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `exact`:
     trace every block, not one or two of each kind (see `sampled`)."""
+    groups = cfg.fault_tolerance
     cfg, has_tokenizer, notes = prepare(cfg, device)
     dims = validate(cfg, world_size)
     fam = models.family(cfg.model.name)
@@ -127,6 +129,8 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     cluster = cluster or Cluster()
     time = step_time(cfg, dims, args, counts, grad_accum, cluster)
     name = layout_name(dims, cfg.parallelism.context_parallel_method)
+    if line := replica_sync(groups, counts.params, dims.world_size // dims.dp_replicate, time.seconds, cluster):
+        notes.append(line)
     return Estimate(cfg.model.name, cfg.model.flavor, world_size, name, device, t.seq_len, t.local_batch_size,
                     grad_accum, counts.params, kinds, time, cluster, notes)
 

@@ -47,6 +47,7 @@ class Cluster:
     mfu: float = 0.4
     intra_gbps: float = 450.0  # GB/s per GPU inside a node (NVLink)
     inter_gbps: float = 50.0  # GB/s per GPU between nodes (400 Gb/s)
+    inter_group_gbps: float = 12.5  # GB/s per GPU between fault-tolerance replica groups (100 Gb/s)
 
 
 @dataclasses.dataclass
@@ -153,6 +154,29 @@ def _fsdp(cfg, dims, args, counts, grad_accum: int, micro_compute: float, n_micr
         gathers = min(n_micro, dims.pp) + 1
         per_batch = gathers * max(0.0, gather - micro_compute / 3) + max(0.0, reduce - 2 * micro_compute / 3)
     return grad_accum * per_batch + hsdp  # per_batch: one local batch, all its micro-batches
+
+
+def replica_sync(f, params: int, ranks_per_replica: int, step_s: float, cluster: Cluster) -> str | None:
+    """Under fault tolerance with several replica groups: one line on what the link between the groups costs per
+    step, averaging the gradients every step against fault_tolerance's semi-synchronous method (DiLoCo at its
+    sync_steps when none is set). Each rank all-reduces its fp32 part of the model (params / the ranks of one
+    replica) with its peers in the other groups, a ring: 2 (G - 1) / G of it; per-step groups every step, exposed;
+    DiLoCo once per sync_steps (fp8 with should_quantize), a fragment's transfer hidden behind the
+    fragment_sync_delay steps it overlaps. `f`: the config's fault_tolerance section."""
+    if not f.enable or f.group_size < 2:
+        return None
+    ring = 2 * (f.group_size - 1) / f.group_size * 4 * params / ranks_per_replica / (cluster.inter_group_gbps * 1e9)
+    every = ring
+    method = "diloco" if f.semi_sync_method == "none" else f.semi_sync_method
+    per = f.sync_steps // f.num_fragments
+    fragment = ring / f.num_fragments / (4 if f.should_quantize and method == "diloco" else 1)
+    semi = max(0.0, fragment - f.fragment_sync_delay * step_s) / per
+    chosen = "" if f.semi_sync_method != "none" else " (fault_tolerance.semi_sync_method = diloco would)"
+    saving = f"adds {semi:.3g} s (+{semi / step_s:.0%}), {every / semi:.0f}x less" if semi else \
+        "is hidden behind the inner steps"
+    return (f"{f.group_size} replica groups at {cluster.inter_group_gbps:g} GB/s per GPU between them "
+            f"(--inter_group_gbps): averaging the gradients every step adds {every:.3g} s per step "
+            f"(+{every / step_s:.0%}); {method} every {f.sync_steps} steps{chosen} {saving}")
 
 
 def _activations_comm(cfg, dims, args, grad_accum: int, per_rank_stages: int, cluster: Cluster) -> float:

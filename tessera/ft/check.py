@@ -9,7 +9,9 @@ checkpoints need one): each group's logs, metrics.jsonl and report in `replica_<
 
 import fcntl
 import hashlib
+import importlib.util
 import json
+import logging
 import os
 import re
 import socket
@@ -18,7 +20,7 @@ import urllib.parse
 import urllib.request
 
 from tessera.config.manager import ConfigError
-from tessera.config.sections import JobConfig
+from tessera.config.sections import FaultTolerance, JobConfig
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LOCK, FINGERPRINT = ".lock", "ft-config.json"
@@ -64,19 +66,27 @@ def group_folder(cfg: JobConfig, replica_id: int | None = None) -> str:
 
 def place_group(cfg: JobConfig) -> None:
     """Under fault tolerance: this group's job.dump_folder becomes <job.dump_folder>/replica_<id>, and a relative
-    checkpoint.folder stays where it was (<job.dump_folder>/<checkpoint.folder>), shared. Idempotent."""
+    checkpoint.folder stays where it was (<job.dump_folder>/<checkpoint.folder>), shared. Semi-synchronous groups
+    hold different weights inside a window and different inner optimizer states always: each saves its own, in
+    <checkpoint.folder>/replica_<id>. Idempotent."""
     if not enabled(cfg) or hasattr(cfg, "_ft_root"):
         return
     root = cfg.job.dump_folder
     object.__setattr__(cfg, "_ft_root", root)
     if not os.path.isabs(cfg.checkpoint.folder):
         cfg.checkpoint.folder = os.path.abspath(os.path.join(root, cfg.checkpoint.folder))
+    if cfg.fault_tolerance.semi_sync_method != "none":
+        cfg.checkpoint.folder = os.path.join(cfg.checkpoint.folder, f"replica_{cfg.fault_tolerance.replica_id}")
     cfg.job.dump_folder = group_folder(cfg)
 
 
 def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
     """The values of [fault_tolerance] and what they need, one line each."""
     if not enabled(cfg):
+        if cfg.fault_tolerance.semi_sync_method != "none":
+            raise ConfigError(f"fault_tolerance.semi_sync_method: {cfg.fault_tolerance.semi_sync_method} syncs "
+                              f"replica groups, but fault_tolerance.enable is false; enable it (one launch per group) "
+                              f"or leave the method at none")
         return
     f = cfg.fault_tolerance
     if f.replica_id >= f.group_size:
@@ -92,7 +102,6 @@ def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
     if not re.fullmatch(r"[A-Za-z0-9._-]*", f.job_name):
         raise ConfigError(f"fault_tolerance.job_name: {f.job_name!r} holds other characters than letters, digits, "
                           f"'.', '_' and '-'; it becomes part of torchft's replica ids")
-    import importlib.util
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("fault_tolerance.enable: the torchft package is not installed; pip install --no-deps "
                           "torchft==0.2.0 (see requirements-dev.txt for its pins)")
@@ -103,6 +112,43 @@ def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
         raise ConfigError("fault_tolerance.enable: the MoE expert-bias update counts tokens inside one replica group, "
                           "so the groups' biases would drift apart; set moe.load_balance_rate = 0 under fault "
                           "tolerance (or train without it)")
+    check_semi_sync(cfg)
+
+
+_DILOCO_ONLY = ("num_fragments", "fragment_sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum",
+                "outer_nesterov", "should_quantize")
+
+
+def check_semi_sync(cfg: JobConfig) -> None:
+    """fault_tolerance.semi_sync_method's settings fit together (tessera.ft.semisync has the schedule)."""
+    f, defaults = cfg.fault_tolerance, FaultTolerance()
+    if f.semi_sync_method == "none":
+        return
+    if f.semi_sync_method == "local_sgd" and (changed := [k for k in _DILOCO_ONLY
+                                                          if getattr(f, k) != getattr(defaults, k)]):
+        raise ConfigError(f"fault_tolerance.{changed[0]}: applies to semi_sync_method = diloco, this run is local_sgd "
+                          f"(which averages the weights themselves); leave it at {getattr(defaults, changed[0])!r} "
+                          f"or use diloco")
+    if f.sync_steps % f.num_fragments:
+        raise ConfigError(f"fault_tolerance.num_fragments: {f.num_fragments} does not divide sync_steps "
+                          f"{f.sync_steps}; one fragment syncs every sync_steps / num_fragments steps")
+    per = f.sync_steps // f.num_fragments
+    if f.fragment_sync_delay >= per:
+        raise ConfigError(f"fault_tolerance.fragment_sync_delay: {f.fragment_sync_delay} is not below sync_steps / "
+                          f"num_fragments = {per}, so a fragment would be sent again before it is applied; lower it")
+    if f.fragment_sync_delay and cfg.checkpoint.enable and cfg.checkpoint.interval % per:
+        raise ConfigError(f"checkpoint.interval: {cfg.checkpoint.interval} is not a multiple of sync_steps / "
+                          f"num_fragments = {per}; with fault_tolerance.fragment_sync_delay > 0 a checkpoint between "
+                          f"a fragment's send and its apply would miss the send")
+    if f.should_quantize and importlib.util.find_spec("triton") is None:
+        raise ConfigError("fault_tolerance.should_quantize: torchft's quantized all-reduce needs triton (CUDA), "
+                          "which is not installed; set it to false")
+    if cfg.training.steps % per:
+        early = " (a fragment in flight is applied early)" if f.fragment_sync_delay else ""
+        logging.getLogger("tessera").warning(
+            f"fault_tolerance.sync_steps: training.steps {cfg.training.steps} is not a multiple of {per}: the last "
+            f"{cfg.training.steps % per} step(s) are not synced{early}; each group keeps its own weights there, and "
+            f"the lowest live group saves")
 
 
 def fingerprint(cfg: JobConfig, world_size: int) -> dict[str, object]:
@@ -234,5 +280,8 @@ def _compare_live(cfg: JobConfig, rid: int, mine: dict) -> None:
 
 def describe(cfg: JobConfig) -> str:
     f = cfg.fault_tolerance
-    return (f"replica group {f.replica_id} of {f.group_size} (min_replica_size {f.min_replica_size}), lighthouse "
-            f"{lighthouse_address(cfg)}")
+    semi = {"none": "gradients averaged every step", "local_sgd": f"local_sgd, weights averaged every {f.sync_steps} "
+            f"steps", "diloco": f"diloco, synced every {f.sync_steps} steps in {f.num_fragments} fragment(s), outer "
+            f"SGD lr {f.outer_lr} momentum {f.outer_momentum}{' Nesterov' if f.outer_nesterov else ''}"}
+    return (f"replica group {f.replica_id} of {f.group_size} (min_replica_size {f.min_replica_size}), "
+            f"{semi[f.semi_sync_method]}, lighthouse {lighthouse_address(cfg)}")

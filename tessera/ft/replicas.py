@@ -22,17 +22,12 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.plain import plain_tensor
 from tessera.config import ConfigError
 from tessera.distributed import on_rank0
 from tessera.ft import check
+from tessera.ft.semisync import SemiSync, allreduce_buckets, like, local
 
 log = logging.getLogger("tessera")
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    value = plain_tensor(value)
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _digits(name: str) -> list[str]:
@@ -84,6 +79,9 @@ class ReplicaGroup:
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
         self.started = time.perf_counter()
+        self.syncs, self.sent_bytes, self.sync_s, self.tokens_at_start = 0, 0, 0.0, tr.tokens_seen
+        self.outer = tr.checkpointer.parts.outer  # diloco: the outer optimizer and the weights at the last sync
+        self.semi = SemiSync(self, self.outer) if f.semi_sync_method != "none" else None
         self._batch_index = 0
         fetch = tr.batch_fn
         tr.batch_fn = lambda loader: self._batch(fetch, loader)
@@ -92,12 +90,27 @@ class ReplicaGroup:
 
     # ---- the step ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Join this step's quorum; when behind the others, recover from a live peer first."""
+        """Join this step's quorum; when behind the others, recover from a live peer first. Semi-synchronous:
+        meet the others before the first step only (then after_step)."""
         if delay := os.environ.get("TESSERA_FAULT_STEP_DELAY"):  # fault-injection for tests: a slower step
             time.sleep(float(delay))
-        start = time.perf_counter()
+        if self.semi is not None:
+            if not self.semi.joined:
+                self.semi.join()
+            return
         if self.batches is None:
             self.position = self.tr.loader.state_dict()
+        self.start_quorum()
+        self._batch_index = 0
+
+    def after_step(self) -> None:
+        """After step tr.step is counted: semi-synchronous groups sync here when the schedule says so."""
+        if self.semi is not None:
+            self.semi.after_step()
+
+    def start_quorum(self) -> None:
+        """A quorum of the live groups; a group behind the others copies a live one's state (self.recovered_s)."""
+        start = time.perf_counter()
         self.recovered_s = None
         try:
             self.manager.start_quorum()
@@ -117,7 +130,6 @@ class ReplicaGroup:
                             f"{seconds:.2f}s (model, optimizer, scheduler, data position), "
                             f"{time.perf_counter() - self.started:.1f}s after this group's model was ready; quorum "
                             f"{self.manager.num_participants()} group(s)")
-        self._batch_index = 0
 
     def _check_quorum(self) -> None:
         """Every group of the quorum is of this job, with these settings (a lighthouse may serve several jobs, and
@@ -153,7 +165,7 @@ class ReplicaGroup:
 
     def _batch(self, fetch, loader):
         """The training loader's batches of this step, the same ones again when the step is run again."""
-        if loader is not self.tr.loader:
+        if loader is not self.tr.loader or self.semi is not None:  # semi-synchronous: every inner step applies
             return fetch(loader)
         if self.batches is None:
             self.batches = []
@@ -166,34 +178,23 @@ class ReplicaGroup:
     def average_gradients(self) -> None:
         """Each gradient (this rank's shard of it) averaged over the same rank of every group in the quorum, in
         flat buckets of about fault_tolerance.bucket_mb."""
-        grads = [_local(p.grad) for p in self.tr.model.parameters() if p.grad is not None]
-        limit = self.tr.cfg.fault_tolerance.bucket_mb * 2**20
-        buckets: list[list[torch.Tensor]] = []
-        for g in grads:
-            last = buckets[-1] if buckets else None
-            if last is None or last[0].dtype != g.dtype or sum(x.numel() for x in last) * g.element_size() > limit:
-                buckets.append([g])
-            else:
-                last.append(g)
-        pending = []
-        for bucket in buckets:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            pending.append((self.manager.allreduce(flat), flat, bucket))
-        for work, flat, bucket in pending:
-            work.wait()
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if self.semi is not None:  # each group steps on its own gradients
+            return
+        start = time.perf_counter()
+        grads = [local(p.grad) for p in self.tr.model.parameters() if p.grad is not None]
+        sent, wait = allreduce_buckets(self.manager, grads, self.tr.cfg.fault_tolerance.bucket_mb * 2**20)
+        wait()
+        self.sent_bytes, self.sync_s = self.sent_bytes + sent, self.sync_s + time.perf_counter() - start
 
     def commit(self) -> bool:
         """The quorum's vote on this step: True = apply it (every group in the quorum does); False = nothing of
         it is applied, and the same step runs again on the same batches."""
-        committed, before = self.manager.should_commit(), self.quorum
-        self.quorum = self.manager.num_participants()
-        if self.quorum != before and before and self.tr.world.rank == 0:
-            log.warning(f"fault tolerance: step {self.tr.step + 1}: quorum {self.quorum} replica group(s), was "
-                        f"{before}")
+        if self.semi is not None:  # an inner step: applied (the groups meet in after_step)
+            self.batches = None
+            return True
+        committed = self.manager.should_commit()
+        self.syncs += committed
+        self.note_quorum()
         size, least = self.tr.cfg.fault_tolerance.group_size, self.tr.cfg.fault_tolerance.min_replica_size
         if committed:
             self.batches = None
@@ -215,25 +216,46 @@ class ReplicaGroup:
         self.below_min_since = self.tr.step if self.quorum < least else None
         return False
 
+    def note_quorum(self) -> None:
+        """After a commit vote: the quorum's size, a change of it logged."""
+        before, self.quorum = self.quorum, self.manager.num_participants()
+        if self.quorum != before and before and self.tr.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.tr.step + 1}: quorum {self.quorum} replica group(s), was "
+                        f"{before}")
+
     def saves(self) -> bool:
-        """This group writes the job's checkpoints: the first live group of the quorum (the lowest id)."""
-        return self.manager.participating_rank() == 0
+        """This group writes the job's checkpoints: the first live group of the quorum (the lowest id); every
+        semi-synchronous group writes its own."""
+        return self.semi is not None or self.manager.participating_rank() == 0
 
     def metrics(self) -> dict[str, float]:
         record = {"ft/quorum": self.quorum, "ft/recoveries": self.recoveries, "ft/recovery_s": self.recovery_s,
                   "ft/degraded_steps": self.degraded_steps, "ft/uncommitted_steps": self.uncommitted}
+        semi = self.semi
+        syncs, sent, seconds = (semi.syncs, semi.sent_bytes, semi.seconds) if semi else (self.syncs, self.sent_bytes,
+                                                                                          self.sync_s)
+        tokens = self.tr.tokens_seen - self.tokens_at_start  # this group's, since this launch started
+        record.update({"ft/syncs": syncs, "ft/sync_mb": sent / 2**20, "ft/sync_s": seconds,
+                       # every rank sends its part: the group's bytes over the group's tokens
+                       "ft/mb_per_sync": sent / 2**20 / syncs if syncs else 0.0,
+                       "ft/sync_bytes_per_token": sent * self.tr.world.size / tokens if tokens else 0.0})
+        if semi is not None:
+            record["ft/failed_syncs"] = semi.failed
         if "sample_index" in (position := self.tr.loader.state_dict()):  # the global data position reached
             record["ft/sample_index"] = position["sample_index"]
         if self.tr.cfg.fault_tolerance.log_state_digest:
             record["ft/state_digest"] = self.digest()
+            if semi is not None:  # the groups' inner optimizers differ; right after a sync their weights do not
+                record["ft/weights_digest"] = self.digest(weights_only=True)
         return record
 
-    def digest(self) -> str:
-        """A hash of this rank's weights and optimizer state, bit for bit."""
+    def digest(self, weights_only: bool = False) -> str:
+        """A hash of this rank's weights and optimizer state (diloco: the outer state too), bit for bit."""
         h = xxhash.xxh64()
         state = self._state()
-        for tensor in [*state["model"].values(),
-                       *(v for s in state["optimizer"]["state"].values() for v in s.values())]:
+        outer = [v for part in state.get("outer", {}).values() for v in part.values()]
+        inner = [v for s in state["optimizer"]["state"].values() for v in s.values()]
+        for tensor in [*state["model"].values(), *([] if weights_only else [*inner, *outer])]:
             if isinstance(tensor, torch.Tensor):
                 h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
@@ -245,23 +267,28 @@ class ReplicaGroup:
     # ---- what a recovering group copies from a live one ----------------------------------------------
     def _state(self) -> dict:
         """This rank's shard of everything a group trains with (no collective: torchft calls it from its quorum
-        thread, while the step waits for the quorum)."""
+        thread, while the step waits for the quorum). Semi-synchronous: copies, as this group goes on training while
+        the recovering one reads them."""
         tr = self.tr
+        part = (lambda v: local(v).clone()) if self.semi is not None else local
         opt = tr.optimizer.state_dict()
         sharded = [(i, k) for i, s in opt["state"].items() for k, v in s.items() if isinstance(v, DTensor)]
-        opt = {"state": {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        opt = {"state": {i: {k: part(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                          for i, s in opt["state"].items()},
                "param_groups": opt["param_groups"], "sharded": sharded}
-        return {"model": {k: _local(v) for k, v in tr.model.state_dict().items()}, "optimizer": opt,
-                "job": [self.job, self.settings],
-                "train": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps,
-                          "lr_scheduler": tr.scheduler.state_dict(), "dataloader": dict(self.position),
-                          "rng": torch.get_rng_state()}}
+        state = {"model": {k: part(v) for k, v in tr.model.state_dict().items()}, "optimizer": opt,
+                 "job": [self.job, self.settings],
+                 "train": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps,
+                           "lr_scheduler": tr.scheduler.state_dict(), "dataloader": dict(self.position),
+                           "rng": torch.get_rng_state()}}
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict(live=True)
+        return state
 
     @torch.no_grad()
     def _load(self, state: dict) -> None:
         tr, start = self.tr, time.perf_counter()
-        if (theirs := state.get("job")) != [self.job, self.settings]:  # before anything is copied
+        if (theirs := state.get("job") or ["?", "?"]) != [self.job, self.settings]:  # before anything is copied
             raise ConfigError(f"fault_tolerance: the live replica group this group would recover from runs job "
                               f"'{theirs[0]}' (settings {theirs[1]}), this group job '{self.job}' (settings "
                               f"{self.settings}); give each job its own lighthouse, or every group of a job the "
@@ -271,7 +298,7 @@ class ReplicaGroup:
             raise ConfigError("fault_tolerance: the live replica group holds another model (its parameter names "
                               "differ); every group runs the same config")
         for name, value in state["model"].items():
-            target = _local(ours[name])
+            target = local(ours[name])
             if target.shape != value.shape:
                 raise ConfigError(f"fault_tolerance: the live replica group's '{name}' has shape {list(value.shape)} "
                                   f"on this rank, this group {list(target.shape)}; every group runs the same model "
@@ -281,8 +308,7 @@ class ReplicaGroup:
         opt = state["optimizer"]
         for i, key in opt.pop("sharded"):
             p = params[i]
-            opt["state"][i][key] = DTensor.from_local(opt["state"][i][key].to(p.device), p.device_mesh, p.placements,
-                                                      run_check=False, shape=p.shape, stride=p.stride())
+            opt["state"][i][key] = like(p, opt["state"][i][key].to(p.device))
         tr.optimizer.load_state_dict(opt)
         train = state["train"]
         tr.step, tr.tokens_seen, tr.skipped_steps = train["step"], train["tokens_seen"], train["skipped_steps"]
@@ -290,4 +316,9 @@ class ReplicaGroup:
         tr.loader.load_state_dict(train["dataloader"])
         self.position, self.batches = dict(train["dataloader"]), None
         torch.set_rng_state(train["rng"])
+        if self.outer is not None:
+            if "outer" not in state:
+                raise ConfigError("fault_tolerance.semi_sync_method: the live replica group runs without diloco; every "
+                                  "group runs the same config")
+            self.outer.load_state_dict(state["outer"])
         self.recovered_s = time.perf_counter() - start
