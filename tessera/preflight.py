@@ -73,9 +73,9 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bo
     if not family(m.name).own_data:  # a family with its own data checks it in its check
         _check_data(cfg)
         _check_tokenizer_vocab(cfg, args, resume)
-        if resume and "dataloader" not in cfg.checkpoint.exclude_from_loading:
+        if resume:  # the tokenizer is the one the model learned; the files its data position counts in, the same
             from tessera.data import fingerprint
-            fingerprint.check_resume(cfg, resume)  # the files the data position counts in are the same
+            fingerprint.check_resume(cfg, resume, data="dataloader" not in cfg.checkpoint.exclude_from_loading)
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -206,12 +206,15 @@ def _check_tokenizer_vocab(cfg: JobConfig, args, resume: str | None) -> None:
 OPTIMIZER_STATE = ("weight_decay_exclude", "embedding_lr_multiplier", "output_lr_multiplier")
 
 
+_STATE_KIND = {"Adam": "moments", "AdamW": "moments"}  # optimizers whose saved state the other can load
+
+
 def _check_resumed_optimizer(cfg: JobConfig, path: str, saved: dict) -> None:
     ours, defaults = dataclasses.asdict(cfg.optimizer), dataclasses.asdict(type(cfg.optimizer)())
     theirs = {key: saved.get(key, defaults[key]) for key in ("name", *OPTIMIZER_STATE)}  # older configs: defaults
     changed = [key for key in OPTIMIZER_STATE if ours[key] != theirs[key]]
-    if (ours["name"] == "Muon") != (theirs["name"] == "Muon"):
-        changed.insert(0, "name")
+    if _STATE_KIND.get(ours["name"], ours["name"]) != _STATE_KIND.get(theirs["name"], theirs["name"]):
+        changed.insert(0, "name")  # Adam <-> AdamW keep their moments; Muon's momentum or SGD's nothing do not fit
     for key in changed[:1]:
         raise ConfigError(f"optimizer.{key}: {ours[key]!r}, but the optimizer state of the checkpoint at {path} is "
                           f"{theirs['name']}'s with {key} = {theirs[key]!r}; set it back to resume, or add optimizer "

@@ -200,6 +200,8 @@ def train(tr: Trainer) -> None:
             lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
             stepped = train_step(tr)
             if stepped is None:  # fault tolerance: not committed by the replica groups' quorum
+                if asked := at_boundary(tr, stop):  # a signal still stops the run (at the last committed step)
+                    stop_and_save(tr, stop, asked)
                 continue
             loss, grad_norm, data_s, trained = stepped
             if tr.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
@@ -224,13 +226,13 @@ def train(tr: Trainer) -> None:
             # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
             if tr.checkpointer.should_save(tr.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
-            if (asked := at_boundary(tr, stop)) and not last:  # every rank the same: a signal stops the run here
-                stop_and_save(tr, stop, asked)
             if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
             if tr.evaluate is not None and tr.evaluate(run_view(tr), last):  # its time is not the step's
                 window_start = time.perf_counter()
+            if (asked := at_boundary(tr, stop)) and not last:  # every rank the same: a signal stops the run here,
+                stop_and_save(tr, stop, asked)  # once the step's validation is logged (a relaunch starts after it)
     tr.checkpointer.wait()
 
 

@@ -114,18 +114,21 @@ def token_batch(run: BatchView, loader) -> tuple[dict[str, torch.Tensor], torch.
     tokens, labels = loader.next_batch()
     world = run.world
     return token_inputs(tokens, labels, run.document_bos, world.mesh["cp"] if world.dims.cp > 1 else None,
-                        world.device)
+                        world.device, eos=run.document_eos)
 
 
-def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp_mesh, device: torch.device):
+def token_inputs(tokens: torch.Tensor, labels: torch.Tensor, bos: int | None, cp_mesh, device: torch.device,
+                 eos: int | None = None):
     """Whole windows [batch, seq] -> the model's keyword inputs and the labels, this rank's chunks of each
     sequence under context parallelism: `tokens`; with `bos` (block-causal masking: a document starts at each
     BOS and at the window's start) each token's `documents` number and its place in it (`positions`, from 0 at
     each document's start), and a document's BOS is no label (IGNORE: the last token of one document does not
-    predict the first of the next); under context parallelism the `positions` of its tokens in any case."""
+    predict the first of the next; with `eos`, only a BOS right after an EOS, so that a document's own EOS stays
+    trained where the tokenizer's BOS and EOS are one token); under context parallelism the `positions` of its
+    tokens in any case."""
     inputs = {"tokens": tokens}
     if bos is not None:  # the target that starts the next document is not predicted from the one before
-        labels = labels.masked_fill(labels == bos, IGNORE)
+        labels = labels.masked_fill((labels == bos) & (tokens == eos) if eos is not None else labels == bos, IGNORE)
         inputs["documents"] = (tokens == bos).cumsum(1)
         inputs["positions"] = document_positions(inputs["documents"])
     elif cp_mesh is not None:
@@ -316,7 +319,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
                  loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, loss_scale=scale,
                  token_loss=spec.loss is None,
-                 batch_fn=functools.partial(spec.batch or token_batch, BatchView(world, document_bos)),
+                 batch_fn=functools.partial(spec.batch or token_batch,
+                                            BatchView(world, document_bos, tokenizer.eos_id)),
                  extra_loss=spec.extra_loss,
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
                  balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),

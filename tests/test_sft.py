@@ -170,7 +170,11 @@ def test_block_causal_masking_trains_no_target_across_a_document_boundary():
     """The last token of one document (its EOS) does not predict the next one's BOS; causal masking keeps it."""
     window = torch.tensor([[B, 1, 2, E, B, 3, 4, E, B]])
     tokens, labels = window[:, :-1], window[:, 1:]
-    _, block = token_inputs(tokens, labels, B, None, torch.device("cpu"))
+    _, block = token_inputs(tokens, labels, B, None, torch.device("cpu"), eos=E)
+    assert block.tolist() == [[1, 2, E, IGNORE, 3, 4, E, IGNORE]]
+    # A tokenizer whose BOS is its EOS (<|endoftext|>): each document's own end is still trained, the junction not.
+    same = torch.tensor([[E, 1, 2, E, E, 3, 4, E, E]])
+    _, block = token_inputs(same[:, :-1], same[:, 1:], E, None, torch.device("cpu"), eos=E)
     assert block.tolist() == [[1, 2, E, IGNORE, 3, 4, E, IGNORE]]
     _, causal = token_inputs(tokens, labels, None, None, torch.device("cpu"))
     assert causal.tolist() == labels.tolist()

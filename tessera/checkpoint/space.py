@@ -25,9 +25,10 @@ def free_bytes(folder: str) -> int:
 
 
 def checkpoint_bytes(root: str, estimate: int) -> int:
-    """What one more checkpoint takes: the newest complete one's size, else `estimate`."""
+    """What one more checkpoint takes: the newest complete one's size when it is a full one (a seed or a
+    weights-only one holds a third of it), else `estimate`."""
     found = resume_point(root, content=False, report=False)
-    return sum(found[2]["files"].values()) if found else estimate
+    return sum(found[2]["files"].values()) if found and found[2].get("kind") == "full" else estimate
 
 
 def room_problem(root: str, need_bytes: int) -> str | None:

@@ -86,9 +86,10 @@ def differences(saved: dict, now: dict) -> list[tuple[str, str]]:
     return found
 
 
-def check_resume(cfg, path: str) -> None:
-    """Resuming the checkpoint at `path`: the data files and the tokenizer are those it read (its RECORD; older
-    checkpoints have none, and resume). Read by the launcher and each node's first rank (a few blocks per file)."""
+def check_resume(cfg, path: str, data: bool = True) -> None:
+    """Resuming the checkpoint at `path`: the tokenizer is the one it read, and with `data` (its data position is
+    loaded) so are the data files (its RECORD; older checkpoints have none, and resume). Read by the launcher and
+    each node's first rank (a few blocks per file)."""
     if cfg.checkpoint.accept_changed_data or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     try:
@@ -96,8 +97,14 @@ def check_resume(cfg, path: str) -> None:
             saved = json.load(fh)
     except (OSError, ValueError):  # none (an older checkpoint); a damaged one is the marker's to find
         return
-    for key, what in differences(saved, inputs_print(cfg))[:1]:
-        raise ConfigError(f"{key}: {what} since the checkpoint at {path}, whose data position counts samples of "
-                          f"what it read; resume with those files, add dataloader to checkpoint.exclude_from_loading "
-                          f"to start this data at its first sample, or set --checkpoint.accept_changed_data to resume "
-                          f"the position in the changed files on purpose (e.g. documents appended)")
+    for key, what in differences(saved, inputs_print(cfg)):
+        if key == "model.hf_assets_path":  # the model's weights are those of the ids it read
+            raise ConfigError(f"{key}: {what} since the checkpoint at {path}, whose model learned that tokenizer's "
+                              f"ids; resume with that tokenizer, or set --checkpoint.accept_changed_data to go on "
+                              f"with this one on purpose")
+        if data:
+            raise ConfigError(f"{key}: {what} since the checkpoint at {path}, whose data position counts samples of "
+                              f"what it read; resume with those files, add dataloader to "
+                              f"checkpoint.exclude_from_loading to start this data at its first sample, or set "
+                              f"--checkpoint.accept_changed_data to resume the position in the changed files on "
+                              f"purpose (e.g. documents appended)")

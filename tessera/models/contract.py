@@ -55,6 +55,7 @@ class BatchView:
     """What a family's batch hook (ModelSpec.batch) gets of the run, typed: not the Trainer."""
     world: Any  # tessera.distributed.World: the device, and under context parallelism its "cp" mesh
     document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
+    document_eos: int | None = None  # ... and ends at each of these (a BOS right after one is no target)
 
 
 @dataclass(frozen=True)
