@@ -153,9 +153,11 @@ def model_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def labels_in_forward(cfg: JobConfig, spec) -> bool:
     """Whether the model computes its token loss itself, its head a chunk of tokens at a time (training.loss_chunks
     > 1): the decoder families, whose loss is the token cross-entropy, unless a family's own forward takes no
-    labels (a subclass that needs the whole logits, e.g. for a side loss on them)."""
+    labels (a subclass that needs the whole logits, e.g. for a side loss on them); also unchunked where a side
+    loss reads the labels' masks (Decoder.side_loss_labels)."""
     takes_labels = "labels" in inspect.signature(spec.model.forward).parameters
-    return spec.loss is None and issubclass(spec.model, Decoder) and takes_labels and cfg.training.loss_chunks > 1
+    chunked = cfg.training.loss_chunks > 1 or spec.model.side_loss_labels
+    return spec.loss is None and issubclass(spec.model, Decoder) and takes_labels and chunked
 
 
 def step_loss(cfg: JobConfig, world: World, spec) -> Callable:

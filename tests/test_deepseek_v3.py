@@ -254,6 +254,38 @@ def test_the_mtp_loss_adds_its_weighted_mean_over_depths_to_the_gradient():
     assert got["mtp.1.eh_proj.weight"].abs().sum() > 0
 
 
+@pytest.mark.fast
+def test_the_mtp_loss_leaves_out_the_targets_the_labels_mask():
+    """Given labels with IGNORE (an SFT prompt, a document start), depth k trains on token i+k+1 only where label
+    i+k is trained, each depth the mean over its trained targets: equal to that computed from mtp_logits with the
+    masked positions left out, and not to the mean over every target. Unmasked labels give the tokens' loss."""
+    from tessera.parallel.init import materialize
+
+    args = dataclasses.replace(DSV3.flavors["debugmodel_mtp"], vocab_size=64, max_seq_len=16)
+    with torch.device("meta"):
+        model = DSV3.spec().model(args)
+    materialize(model, torch.device("cpu"), 0)
+    model.mtp_loss.weight = 1.0
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    model(inputs, labels=labels)
+    unmasked = model.mtp_loss.total
+    labels[0, :6] = -100  # a prompt
+    labels[1, 9] = -100  # the last token of a document: label 9 is the next one's first
+    model.mtp_loss.reset()
+    model(inputs, labels=labels)
+    with torch.no_grad():
+        h = model.norm(model.hidden(inputs))
+        expected, everywhere = [], []
+        for k, logits in enumerate(model.mtp_logits(h, inputs), 1):
+            logits, targets, kept = logits[:, :-1], inputs[:, k + 1:], labels[:, k:-1] != -100
+            expected.append(torch.nn.functional.cross_entropy(logits[kept], targets[kept]))
+            everywhere.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    torch.testing.assert_close(model.mtp_loss.total, torch.stack(expected).mean(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(unmasked, torch.stack(everywhere).mean(), rtol=1e-6, atol=1e-6)
+    assert (model.mtp_loss.total - unmasked).abs() > 1e-3
+
+
 def _quantize_fp8(folder, block: int) -> None:
     """Rewrite an HF folder's 2-D projection weights as float8_e4m3fn blocks with inverse scales, the way
     DeepSeek V3's released checkpoints are stored (quantization_config fp8, weight_block_size)."""

@@ -48,6 +48,7 @@ class Decoder(nn.Module):
     # sequence (tessera/models/common/chunked_loss.py); `chunk_loss` sums one slice's (the trainer sets both).
     loss_chunks = 1
     chunk_loss = staticmethod(summed_cross_entropy)
+    side_loss_labels = False  # a subclass's side loss reads the labels: the trainer passes them also unchunked
 
     def __init__(self, args):
         super().__init__()

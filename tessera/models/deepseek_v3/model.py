@@ -13,6 +13,8 @@ from tessera.models.common.decoder import Decoder, TransformerBlock
 from tessera.models.common.rope import apply_rope, rope_rows
 from tessera.models.common.side_loss import SideLoss
 
+IGNORE = -100  # the label of a position that is not trained (tessera.data.masks's)
+
 
 def _softmax_scale(args) -> float:
     """head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 for a long-context (scaled) RoPE."""
@@ -91,11 +93,17 @@ class MTPDepth(nn.Module):
         return self.norm(self.block(x, rope, documents=documents))
 
 
+def _trained(labels: torch.Tensor) -> torch.Tensor:
+    """How many of `labels` are trained (at least 1: a loss over none is 0)."""
+    return (labels != IGNORE).sum().clamp(min=1)
+
+
 class DeepSeekV3(Decoder):
     """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after), and
     `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side loss)."""
 
     block = MLABlock
+    side_loss_labels = True  # the MTP loss trains only where the labels do: it needs them also unchunked
 
     def __init__(self, args):
         super().__init__(args)
@@ -109,14 +117,16 @@ class DeepSeekV3(Decoder):
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
             return super().forward(tokens, cache, documents, positions, labels)
         h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
-        # Depth k at position i predicts token i+k+1: its inputs hold the last target but one, so each depth's
-        # last position (whose target is the window's next token) is left out of its loss.
+        # Depth k at position i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
+        # one, so each depth's last position (whose target is the window's next token) is left out of its loss.
+        # Given labels, a depth trains where label i+k does (not on prompts, nor where a document starts), its
+        # loss the mean over those targets (0 when none); without labels, on the tokens.
         depths = enumerate(self.mtp_hidden(h, tokens, documents, positions), 1)
         if labels is None:
             losses = [F.cross_entropy(self.head(out[:, :-1]).flatten(0, 1).float(), tokens[:, k + 1:].flatten())
                       for k, out in depths]
         else:
-            losses = [self.token_loss(out[:, :-1], tokens[:, k + 1:]) / tokens[:, k + 1:].numel() for k, out in depths]
+            losses = [self.token_loss(out[:, :-1], labels[:, k:-1]) / _trained(labels[:, k:-1]) for k, out in depths]
         main = self.head(h) if labels is None else self.token_loss(h, labels)
         return self.mtp_loss.attach(main, torch.stack(losses).mean())
 
