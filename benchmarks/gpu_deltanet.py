@@ -9,11 +9,10 @@ torch path: for the output and the gradients of q, k, v, g and beta, |fla - torc
 tensor); `equal` when every one is within BF16_TOL."""
 
 import importlib.util
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from gpu_moe_layer import guarded, timed_steps
 
 from tessera.models.common.deltanet import chunk_gated_delta_rule, l2norm
 
@@ -59,26 +58,17 @@ def make_inputs(seq: int, heads: int, dk: int, dv: int, device: torch.device, dt
 
 def timed(kernel, xs: list, grad_out: torch.Tensor, chunk_size: int, warmup: int, steps: int) -> tuple[dict, list]:
     """The kernel's row, and its output and input gradients of the last step."""
-    cuda = grad_out.is_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    seconds = []
-    for _ in range(warmup + steps):
+    last = []
+
+    def step() -> None:
         for x in xs:
             x.grad = None
-        sync()
-        start = time.perf_counter()
         out = kernel(*xs, chunk_size=chunk_size)
         out.backward(grad_out)
-        sync()
-        seconds.append(time.perf_counter() - start)
-    median = statistics.median(seconds[warmup:])
-    row = {"status": "ok", "tokens_per_s": grad_out.shape[1] / median, "step_ms": median * 1e3,
-           "first_step_s": seconds[0], "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None}
-    return row, [out.detach(), *(x.grad for x in xs)]
+        last[:] = [out.detach()]
+
+    row = timed_steps(step, grad_out.shape[1], grad_out.is_cuda, warmup, steps)
+    return row, [*last, *(x.grad for x in xs)]
 
 
 def rel_errors(ours: list, reference: list) -> dict:
@@ -101,14 +91,10 @@ def measure(seq: int, chunk_size: int, warmup: int, steps: int, smoke: bool, rep
         if why:
             report(name, {"status": why})
             continue
-        try:
+
+        def run(name: str = name) -> dict:
             row, results[name] = timed(KERNELS[name], xs, grad_out, chunk_size, warmup, steps)
-        except torch.OutOfMemoryError:
-            row = {"status": "OOM"}
-        except Exception as e:  # noqa: BLE001 - a kernel that does not run is a row saying why, not a stop
-            row = {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        report(name, row)
+            return row
+        report(name, guarded(run, device))
     if len(results) == 2:
         report("fla_vs_torch", rel_errors(results["fla"], results["torch"]))
