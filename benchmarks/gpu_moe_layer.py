@@ -69,12 +69,10 @@ def to_float8(layer: torch.nn.Module) -> None:
               filter_fn=lambda module, fqn: module is layer.experts)
 
 
-def timed(layer: torch.nn.Module, x: torch.Tensor, warmup: int, steps: int) -> dict:
-    """Forward + backward of `layer` on `x` (a loss of the output's mean square)."""
-    cuda = x.is_cuda
+def timed_steps(step, tokens: int, cuda: bool, warmup: int, steps: int) -> dict:
+    """`step()` `warmup` times untimed, then `steps` times timed (each synchronized): tokens/s from the median step,
+    the peak memory above what was allocated before the first (gpu_deltanet.py's kernels too)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -83,14 +81,33 @@ def timed(layer: torch.nn.Module, x: torch.Tensor, warmup: int, steps: int) -> d
     for _ in range(warmup + steps):
         sync()
         start = time.perf_counter()
-        out = layer(x)
-        out.float().square().mean().backward()
+        step()
         sync()
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds[warmup:])
-    return {"status": "ok", "tokens_per_s": x.shape[0] * x.shape[1] / median, "step_ms": median * 1e3,
-            "first_step_s": seconds[0],
+    return {"status": "ok", "tokens_per_s": tokens / median, "step_ms": median * 1e3, "first_step_s": seconds[0],
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None}
+
+
+def timed(layer: torch.nn.Module, x: torch.Tensor, warmup: int, steps: int) -> dict:
+    """Forward + backward of `layer` on `x` (a loss of the output's mean square)."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    return timed_steps(lambda: layer(x).float().square().mean().backward(), x.shape[0] * x.shape[1], x.is_cuda,
+                       warmup, steps)
+
+
+def guarded(run, device: torch.device) -> dict:
+    """`run()`'s row; out of memory: `OOM`; any other error: a row saying why, not a stop (gpu_deltanet.py too)."""
+    try:
+        row = run()
+    except torch.OutOfMemoryError:
+        row = {"status": "OOM"}
+    except Exception as e:  # noqa: BLE001 - a variant that does not run is a row saying why, not a stop
+        row = {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def measure(family: str, flavor: str, tokens: int, warmup: int, steps: int, report) -> None:
@@ -119,17 +136,12 @@ def measure(family: str, flavor: str, tokens: int, warmup: int, steps: int, repo
     def run(variant: str, layer, why: str | None = None, prepare=None) -> None:
         if why:
             return report(variant, {"status": why})
-        try:
+
+        def go() -> dict:
             if prepare:
                 prepare()
-            row = timed(layer, x, warmup, steps)
-        except torch.OutOfMemoryError:
-            row = {"status": "OOM"}
-        except Exception as e:  # noqa: BLE001 - a variant that does not run is a row saying why, not a stop
-            row = {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        report(variant, row)
+            return timed(layer, x, warmup, steps)
+        report(variant, guarded(go, device))
 
     run("tessera_grouped", tessera)
 

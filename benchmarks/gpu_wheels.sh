@@ -16,6 +16,10 @@ WHEELS=(
     # xxhash, huggingface-hub are there; Python 3.12 has tomllib): these versions imported it on torch 2.11
     torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+    # fla's Gated DeltaNet kernels (Qwen 3.5's `kernel = "fla"`): fla-core alone, pure Python + Triton; it needs
+    # einops and triton (the image has both); flash-linear-attention adds only its layers and models (and wants
+    # transformers >= 5.6.2), which Tessera does not import
+    fla-core==0.6.0
 )
 mkdir -p "$DIR"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

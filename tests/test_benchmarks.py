@@ -150,3 +150,32 @@ def test_gpu_moe_keeps_what_a_run_cut_short_measured_and_its_ratios():
     assert cut["tessera_grouped_over_loop"] == 3.0 and "grouped/loop 3.00x" in line
     assert "tessera_grouped_over_torchtitan" not in cut and "torchtitan: not run" in line
     assert bench_gpu_moe.read_child(0, text, 120)["status"] == "ok"
+
+
+@pytest.mark.fast
+def test_gpu_moe_deltanet_judges_a_kernel_against_the_torch_path(monkeypatch):
+    """The comparison that decides fla's `equal`, with stand-ins for fla's kernel on CPU: the token-by-token form of
+    the same rule agrees with the chunked torch path (output and every input's gradient); one that drops the decay
+    does not; the printed line gives the verdict and the speed ratio."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu_moe
+    import gpu_deltanet
+
+    from tessera.models.common.deltanet import recurrent_gated_delta_rule
+
+    monkeypatch.setattr(gpu_deltanet, "fla_missing", lambda device: None)
+
+    def measured(decay: float) -> dict:
+        monkeypatch.setitem(gpu_deltanet.KERNELS, "fla", lambda q, k, v, g, beta, chunk_size:
+                            recurrent_gated_delta_rule(q, k, v, g * decay, beta)[0])
+        rows = {}
+        gpu_deltanet.measure(100, 32, 0, 1, True, rows.__setitem__)  # 100 tokens: the last chunk padded
+        return rows
+
+    rows = measured(1.0)
+    assert rows["torch"]["status"] == rows["fla"]["status"] == "ok"
+    assert rows["fla_vs_torch"]["equal"] and rows["fla_vs_torch"]["max"] < 1e-4, rows["fla_vs_torch"]
+    line = bench_gpu_moe.deltanet_line("seq100", {"status": "ok", **rows})
+    assert "fla/torch" in line and ", equal (" in line
+    wrong = measured(0.0)["fla_vs_torch"]
+    assert not wrong["equal"] and wrong["dg"] == 1.0 and wrong["out"] > gpu_deltanet.BF16_TOL
