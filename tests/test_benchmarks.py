@@ -21,7 +21,7 @@ def test_benchmark_runs_in_smoke_mode_and_writes_its_json(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # each script starts its own cold cache
     proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, f"{script.name} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result and result.get("smoke", True) is True, result
