@@ -107,5 +107,5 @@ def test_run_train_sh_passes_one_config_file_to_the_check_and_the_ranks(tmp_path
         proc = _run_train_sh(tmp_path, *argv, TESSERA_VENV=str(venv))
         assert proc.returncode == 0, proc.stderr
         check, launch = log.read_text().splitlines()
-        assert check == f"-m tessera.config --world-size 1 {wanted} --training.steps 3"
+        assert check == f"-m tessera.config --world-size 1 --errors-only {wanted} --training.steps 3"
         assert launch.endswith(f"-m tessera.train {wanted} --training.steps 3") and launch.count("config_file") == 1
