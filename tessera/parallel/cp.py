@@ -207,3 +207,28 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, 
             continue
         module.sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(),
                                                module.sdpa)
+
+
+class ContextParallelLookahead(nn.Module):
+    """A model's lookahead (tessera.models.common.side_loss.Lookahead: the tokens after each position, for
+    multi-token prediction) under CP: this rank's chunks of the whole sequence's shift, which reads across chunk
+    boundaries. Ids, positions, documents and labels are small: each is gathered whole, shifted, and cut again.
+    Trained labels are counted over the CP group, per rank (gradients are averaged over it)."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, plain: nn.Module):
+        super().__init__()
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.shift, self.count = type(plain).shift, type(plain).count
+
+    @torch.compiler.disable
+    def ahead(self, x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.cp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        whole = _in_order(parts, self.cp, dim=-1)
+        return shard_sequence(self.shift(whole, k, fill, end), self.cp_rank, self.cp, dim=-1)
+
+    @torch.compiler.disable
+    def trained(self, labels: torch.Tensor) -> torch.Tensor:
+        total = self.count(labels)
+        dist.all_reduce(total, group=self.group)
+        return total.clamp(min=1) / self.cp

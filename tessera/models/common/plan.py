@@ -30,24 +30,29 @@ _FFN_TP_PLAN = {False: ffn_plan("feed_forward", ("w1", "w3"), "w2"), True: local
 
 def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp_plan,
                         high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = (),
-                        idle: bool = False) -> nn.Module:
+                        idle: bool = False, more_blocks: dict[str, nn.Module] | None = None,
+                        more_tp: tuple[tuple[nn.Module, dict], ...] = ()) -> nn.Module:
     """`block_tp_plan`: the blocks' TP plan, or (block) -> its plan (a hybrid's blocks differ); `more_units`:
     modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths);
-    `idle`: they are kept but never run (not trained in this layout)."""
+    `idle`: they are kept but never run (not trained in this layout); `more_blocks`: blocks inside them that TP
+    and CP split like the model's (a depth's block); `more_tp`: (module, its TP plan) of the rest of them."""
     p = cfg.parallelism
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     apply_converters(model, cfg, world.device, high_precision)
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
         plan_of = block_tp_plan if callable(block_tp_plan) else lambda _: block_tp_plan  # per block (hybrids)
-        blocks = [(b, {**plan_of(b), **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]}) for b in model.layers.values()]
-        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel), blocks)
+        blocks = [(b, {**plan_of(b), **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]})
+                  for b in (*model.layers.values(), *(more_blocks or {}).values())]
+        apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
+                 [*blocks, *more_tp])
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if world.dims.ep > 1:
         apply_ep([m.experts for m in moe], world.flat["ep"])
     if world.dims.cp > 1:
-        apply_cp(model.layers, "attention", world.mesh["cp"], p.context_parallel_method)
+        for blocks in (model.layers, more_blocks or {}):
+            apply_cp(blocks, "attention", world.mesh["cp"], p.context_parallel_method)
     apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model.layers, fullgraph=not moe)

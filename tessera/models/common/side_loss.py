@@ -37,3 +37,30 @@ class SideLoss(nn.Module):
 
     def reset(self) -> None:
         self.total, self.count = None, 0
+
+
+class Lookahead(nn.Module):
+    """What a side loss reads of the tokens after each position (multi-token prediction's inputs and targets),
+    of sequences [..., seq] along their last dim. Context parallelism swaps it for one that reads across its
+    ranks' chunks (tessera.parallel.cp.ContextParallelLookahead): a model sees only its own."""
+
+    @staticmethod
+    def shift(x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
+        """Slot i holds x[..., i + k] where i + k < seq - end, else `fill` (None: x's last value)."""
+        n = x.shape[-1]
+        keep = max(n - k - end, 0)
+        pad = x[..., -1:] if fill is None else torch.full_like(x[..., :1], fill)
+        return torch.cat([x[..., k:k + keep], pad.expand(*x.shape[:-1], n - keep)], dim=-1)
+
+    def ahead(self, x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
+        """The whole sequence's `shift`, as this rank holds it."""
+        return self.shift(x, k, fill, end)
+
+    @staticmethod
+    def count(labels: torch.Tensor, ignore: int = -100) -> torch.Tensor:
+        return (labels != ignore).sum()
+
+    def trained(self, labels: torch.Tensor) -> torch.Tensor:
+        """The divisor of a rank's summed loss over `labels` that makes it (averaged over the ranks that hold
+        parts of the sequence, as gradients are) the whole sequence's mean: its trained labels (at least 1)."""
+        return self.count(labels).clamp(min=1)

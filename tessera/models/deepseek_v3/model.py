@@ -11,7 +11,7 @@ from torch import nn
 from tessera.models.common.attention import CausalSDPA, KVCache
 from tessera.models.common.decoder import Decoder, TransformerBlock
 from tessera.models.common.rope import apply_rope, rope_rows
-from tessera.models.common.side_loss import SideLoss
+from tessera.models.common.side_loss import Lookahead, SideLoss
 
 IGNORE = -100  # the label of a position that is not trained (tessera.data.masks's)
 
@@ -93,11 +93,6 @@ class MTPDepth(nn.Module):
         return self.norm(self.block(x, rope, documents=documents))
 
 
-def _trained(labels: torch.Tensor) -> torch.Tensor:
-    """How many of `labels` are trained (at least 1: a loss over none is 0)."""
-    return (labels != IGNORE).sum().clamp(min=1)
-
-
 class DeepSeekV3(Decoder):
     """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after), and
     `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side loss)."""
@@ -110,6 +105,7 @@ class DeepSeekV3(Decoder):
         self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
             if args.n_mtp else None
         self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
+        self.lookahead = Lookahead()  # the tokens after each position (across CP ranks' chunks)
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -117,33 +113,39 @@ class DeepSeekV3(Decoder):
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
             return super().forward(tokens, cache, documents, positions, labels)
         h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
-        # Depth k at position i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
-        # one, so each depth's last position (whose target is the window's next token) is left out of its loss.
-        # Given labels, a depth trains where label i+k does (not on prompts, nor where a document starts), its
-        # loss the mean over those targets (0 when none); without labels, on the tokens.
+        # Depth k at slot i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
+        # one, so each depth's slots from seq - k - 1 on (whose targets are the window's next token, or past it)
+        # are left out of its loss. Given labels, a depth trains where label i+k does (not on prompts, nor where a
+        # document starts), its loss the mean over those targets (0 when none); without labels, on the tokens.
+        # The targets are read ahead on the whole sequence, so that they cross CP ranks' chunks.
         depths = enumerate(self.mtp_hidden(h, tokens, documents, positions), 1)
+        ahead = self.lookahead.ahead
         if labels is None:
-            losses = [F.cross_entropy(self.head(out[:, :-1]).flatten(0, 1).float(), tokens[:, k + 1:].flatten())
-                      for k, out in depths]
+            losses = [F.cross_entropy(self.head(out).flatten(0, 1).float(), ahead(tokens, k + 1, IGNORE).flatten(),
+                                      ignore_index=IGNORE) for k, out in depths]
         else:
-            losses = [self.token_loss(out[:, :-1], labels[:, k:-1]) / _trained(labels[:, k:-1]) for k, out in depths]
+            targets = {k: ahead(labels, k, IGNORE, end=1) for k in range(1, len(self.mtp) + 1)}
+            losses = [self.token_loss(out, targets[k]) / self.lookahead.trained(targets[k]) for k, out in depths]
         main = self.head(h) if labels is None else self.token_loss(h, labels)
         return self.mtp_loss.attach(main, torch.stack(losses).mean())
 
     def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...); see mtp_hidden."""
-        return [self.head(out) for out in self.mtp_hidden(h, tokens, documents, positions)]
+        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...): its slots that hold tokens; see mtp_hidden."""
+        out = self.mtp_hidden(h, tokens, documents, positions)
+        return [self.head(x[:, :x.shape[1] - k]) for k, x in enumerate(out, 1)]
 
     def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each depth's normed output [batch, seq - k, dim] (k = 1, 2...), from the trunk's normed last hidden
-        states and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its
-        slot i holds token i + k: its document and position are that token's."""
-        out, embeddings = [], self.tok_embeddings(tokens)
+        """Each depth's normed output [batch, seq, dim] (k = 1, 2...), from the trunk's normed last hidden states
+        and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its slot i
+        holds token i + k (its document and position are that token's); its last k slots, past the window, repeat
+        the last token and train nothing. Whole-length, a depth's sequence splits over TP and CP like the trunk's."""
+        out, ahead = [], self.lookahead.ahead
         for k, depth in enumerate(self.mtp.values(), 1):
-            rope = self.rope if positions is None else self.rope[positions[..., k:]]
-            h = depth(h[:, :-1], embeddings[:, k:], rope, None if documents is None else documents[:, k:])
+            rope = self.rope if positions is None else self.rope[ahead(positions, k)]
+            docs = None if documents is None else ahead(documents, k)
+            h = depth(h, self.tok_embeddings(ahead(tokens, k)), rope, docs)
             out.append(h)
         return out
 

@@ -3,15 +3,22 @@
 TP splits MLA by heads: the query's (last) projection and the latent's expansion to per-head keys and values
 are column-wise, the output row-wise; the query bottleneck, the latent and their norms stay replicated and run
 on the gathered sequence. The rope key is one head that every rank's heads use, so each rank's gradient of it
-is partial: summed over TP where it leaves `wkv_a`. CP swaps the kernel, keeping MLA's score scale. The MTP
-depths (the last stage's) are FSDP units of their own; they train only without TP/CP/PP (checked at launch)."""
+is partial: summed over TP where it leaves `wkv_a`. CP swaps the kernel, keeping MLA's score scale.
+
+The MTP depths (the last stage's) are FSDP units of their own. Each runs on the whole sequence (its slot i holds
+token i + k), so TP and CP split it like the trunk: its block takes the blocks' plan; its norms and its
+projection of [embedding; hidden] run on each rank's sequence slice with replicated weights (sequence parallel,
+their gradients summed over TP). Under CP the lookahead that shifts each depth's tokens, positions, documents
+and targets reads across the ranks' chunks."""
 
 from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.config import JobConfig
 from tessera.distributed import World
 from tessera.models.common.plan import NORMS, parallelize_decoder
 from tessera.models.deepseek_v3 import FAMILY
+from tessera.parallel.cp import ContextParallelLookahead
 from tessera.parallel.tp import Replicated, attention_plan
 
 
@@ -23,7 +30,21 @@ def mla_tp_plan(args) -> dict:
             "attention.wkv_a": Replicated(sum_grad_columns=args.qk_rope_head_dim)}
 
 
+def mtp_depth_tp_plan() -> dict:
+    """A depth's own modules (its block takes the blocks' plan): sequence parallel; the projection hands its
+    block a plain sequence slice, as the embedding hands the first block."""
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel(),
+            "eh_proj": SequenceParallel(use_local_output=True)}
+
+
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     untrained = not cfg.deepseek_v3.mtp_loss_weight or world.dims.pp > 1  # PP with MTP is refused at launch
-    return parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained)
+    model = parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained,
+                                more_blocks={str(k): d.block for k, d in enumerate(depths)},
+                                more_tp=tuple((d, mtp_depth_tp_plan()) for d in depths))
+    if depths and world.dims.cp > 1:
+        mesh = world.mesh["cp"]
+        model.lookahead = ContextParallelLookahead(mesh.get_group(), mesh.get_local_rank(), mesh.size(),
+                                                   model.lookahead)
+    return model
