@@ -135,16 +135,14 @@ def commands_below_top() -> list[str]:
 
 
 def table() -> str:
-    """The floors as a markdown table, top floor first, each part with its modules' count."""
+    """The floors as a markdown table, top floor first."""
     def part(place: str) -> str:
-        if place == FAMILY:
-            return f"the families, `tessera/models/<name>/` ({sum(family_of(m) is not None for m in MODULES)})"
-        count = sum(1 for m in MODULES if part_of(m) is not None and part_of(m)[1] == place)
-        return f"`{place}`" + (f" ({count})" if count > 1 else "")
+        return "each family's folder, `tessera/models/<name>/`" if place == FAMILY else f"`{place}`"
 
     rows = [f"| {f} {name} | {what} | {', '.join(part(p) for p in parts)} |"
             for f, (name, what, parts) in reversed(list(enumerate(FLOORS)))]
-    head = ["| floor (0: the bottom) | what it holds | parts, lowest first (modules) |", "| --- | --- | --- |"]
+    head = ["| floor (0: the bottom) | what it holds | its parts (a package or module each), lowest first |",
+            "| --- | --- | --- |"]
     return "\n".join([*head, *rows])
 
 
