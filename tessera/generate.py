@@ -8,12 +8,19 @@ The model is the newest checkpoint under `job.dump_folder` (full or weights-only
 saved), or `checkpoint.initial_load_path`: a Tessera checkpoint folder, or with `initial_load_in_hf` a
 Hugging Face folder. Its architecture is what the checkpoint records (or config.json); the tokenizer is
 `model.hf_assets_path`, else the checkpoint's, else the HF folder's own tokenizer.json, else bytes.
+
+A family that samples its own way (ModelSpec.draw: Flux's images of a caption) draws 4 samples (noise seeds
+generate.seed .. +3) of the loaded model, written as one grid to <dump_folder>/samples/generate-<seed>.png, whose
+path is printed. Its options (Flux's encoders, resolution and sampling settings) are the checkpoint's run's (its
+config.toml), or for a Hugging Face folder those the folder implies (Flux: the release it is part of), overridable
+with flags (--flux.*).
 """
 
 import contextlib
-import importlib
+import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -21,15 +28,17 @@ from pathlib import Path
 import torch
 
 from tessera import models
-from tessera.checkpoint.folder import read_model_record
+from tessera.checkpoint.folder import read_model_record, read_saved_config
 from tessera.checkpoint.hf import HFError
 from tessera.config import ConfigError
+from tessera.images import grid, save_png
 from tessera.preflight import help_text, parse_args
 from tessera.pretrained import DEFAULT_MAX_SEQ_LEN, checkpoint_folder, from_pretrained, hf_family, is_hf, pick_device
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "from_pretrained", "generate", "hf_family", "is_hf", "main"]
 
 log = logging.getLogger("tessera")
+N_IMAGES = 4  # what a family that draws (ModelSpec.draw) samples of a prompt
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -93,9 +102,9 @@ def _stop_ids(source: str, hf: bool, tokenizer) -> set[int]:
     return {tokenizer.eos_id}
 
 
-def _family_generate(source: str, hf: bool):
-    """The entry point of a family that samples its own way (ModelSpec.generate), for a Tessera checkpoint or a
-    Hugging Face folder of it."""
+def _drawing_family(source: str, hf: bool):
+    """The family of a Tessera checkpoint or a Hugging Face folder when it draws its samples its own way
+    (ModelSpec.draw: Flux's images), else None."""
     try:
         if is_hf(source, hf or None):
             fam = hf_family(source)
@@ -104,11 +113,41 @@ def _family_generate(source: str, hf: bool):
             fam = models.family(record["family"]) if record else None
     except (ConfigError, HFError):  # nothing a model loads from: from_pretrained says why
         return None
-    entry = fam.spec().generate if fam else None
-    if entry is None:
-        return None
-    module, _, function = entry.partition(":")
-    return getattr(importlib.import_module(module), function)
+    return fam if fam is not None and fam.spec().draw is not None else None
+
+
+def _with_run_options(cfg, fam, folder: str, hf: bool, argv: list[str]):
+    """cfg with the family's options of the checkpoint's run (its config.toml; a Hugging Face folder: those it
+    implies, ModelSpec.draw_options), except what the command line sets."""
+    saved = read_saved_config(folder).get(fam.name, {})
+    if hf and fam.spec().draw_options is not None:
+        saved = fam.spec().draw_options(folder) or saved
+    given = {a[2:].partition("=")[0].split(".", 1)[1] for a in argv if a.startswith(f"--{fam.name}.")}
+    section = getattr(cfg, fam.name)
+    fields = {f.name for f in dataclasses.fields(section)}
+    options = dataclasses.replace(section, **{k: v for k, v in saved.items() if k in fields and k not in given})
+    return dataclasses.replace(cfg, **{fam.name: options})
+
+
+def _draw(cfg, fam, argv: list[str]) -> int:
+    """N_IMAGES samples of generate.prompt (noise seeds generate.seed ...) by the family's own sampler, as one grid
+    in <dump_folder>/samples/generate-<seed>.png; prints its path."""
+    g = cfg.generate
+    source = cfg.checkpoint.initial_load_path or cfg.job.dump_folder
+    hf = is_hf(source, cfg.checkpoint.initial_load_in_hf or None)
+    folder = source if hf else checkpoint_folder(source)
+    model, _ = from_pretrained(folder, pick_device(g.device), hf=hf)
+    if not g.prompt:
+        raise ConfigError("generate.prompt: empty; give the caption to draw")
+    cfg = _with_run_options(cfg, fam, folder, hf, argv)
+    try:
+        images = fam.spec().draw(model, cfg, folder, g.prompt, [g.seed + i for i in range(N_IMAGES)])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    path = os.path.join(cfg.job.dump_folder, "samples", f"generate-{g.seed}.png")
+    save_png(grid(images, cols=N_IMAGES), path)
+    print(path)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -120,8 +159,8 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         g, c = cfg.generate, cfg.checkpoint
         source = c.initial_load_path or cfg.job.dump_folder
-        if (own := _family_generate(source, c.initial_load_in_hf)) is not None:
-            return own(argv)
+        if (fam := _drawing_family(source, c.initial_load_in_hf)) is not None:
+            return _draw(cfg, fam, argv)
         # Its output is stdout: what loading logs goes to stderr, also where a run earlier in this process set up
         # the tessera logger on stdout.
         with contextlib.redirect_stdout(sys.stderr):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tessera.checkpoint.plain import plain_tensor
+from tessera.tensors import plain_tensor
 
 
 def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,

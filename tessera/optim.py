@@ -71,22 +71,24 @@ def _decay_shape(progress: float, decay_type: str) -> float:
             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[decay_type]
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg, total_steps))
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """The run's lr schedule (lr_lambda over its total steps). Loading a saved one continues it at its step, over
+    this run's training.steps and peak lr: a run extended (or shortened) on resume follows the schedule of its new
+    total from the step reached (warm-up, which does not depend on the total, never restarts), and a changed
+    optimizer.lr is the new peak from there. The next step's lr is set here: the optimizer's saved param groups
+    hold the lr of the old schedule."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        peaks = list(self.base_lrs)  # this run's: optimizer.lr times each group's multiplier
+        super().load_state_dict(state_dict)
+        self.base_lrs = peaks
+        self._last_lr = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
 
 
-def resume_lr(scheduler, state: dict) -> None:
-    """Continue the saved schedule at its step, over this run's training.steps and peak lr: a run extended (or
-    shortened) on resume follows the schedule of its new total from the step reached (warm-up, which does not
-    depend on the total, never restarts), and a changed optimizer.lr is the new peak from there. The next step's
-    lr is set here: the optimizer's saved param groups hold the lr of the old schedule."""
-    peaks = list(scheduler.base_lrs)  # this run's: optimizer.lr times each group's multiplier
-    scheduler.load_state_dict(state)
-    scheduler.base_lrs = peaks
-    scheduler._last_lr = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs,
-                                                                               scheduler.lr_lambdas, strict=True)]
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr, strict=True):
-        group["lr"] = lr
+def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int) -> Schedule:
+    return Schedule(opt, lambda s: lr_lambda(s, cfg, total_steps))
 
 
 # Settings a resume applies to the saved optimizer state (its moments stay valid under them): {key: what it is}.

@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import sys
 import tempfile
 
 from tessera import architecture, config
@@ -464,31 +463,3 @@ def _check_speed(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.training.enable_cpu_offload and dims.dp == 1:
         raise ConfigError("training.enable_cpu_offload: offloads FSDP's shards, so it needs a data-parallel degree "
                           "> 1 (data_parallel_shard_degree or replicate)")
-
-
-def main(argv: list[str]) -> int:
-    """`python -m tessera.config [--world-size N] [--errors-only] [flags]`: check only, for launch scripts (no torch
-    import): exit status 0 when the config is valid, 2 with one line on stderr when not. --errors-only: no warnings
-    (a launch script's pre-check: rank 0 says them once the run starts)."""
-    world_size = 1
-    if argv[:1] == ["--world-size"]:
-        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
-            print(f"tessera: --world-size: expected a positive integer (NGPU x nodes), got {argv[1:2]}",
-                  file=sys.stderr)
-            return 2
-        world_size, argv = int(argv[1]), argv[2:]
-    if argv[:1] == ["--errors-only"]:
-        logging.getLogger("tessera").setLevel(logging.ERROR)
-        argv = argv[1:]
-    if argv == ["--markdown"]:
-        print(markdown_reference())
-        return 0
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return 0
-    try:
-        validate(parse_args(argv), world_size, launch=True, training=True)
-    except ConfigError as e:
-        print(f"tessera: {e}", file=sys.stderr)
-        return 2
-    return 0

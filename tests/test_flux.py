@@ -127,7 +127,7 @@ def test_a_diffusers_folder_opens_for_inference(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 2
     assert capsys.readouterr().err == (
-        f"tessera.models.flux.generate: flux.encoders: '{tmp_path / 'release'}' makes 64 input channels (latent "
+        f"tessera.generate: flux.encoders: '{tmp_path / 'release'}' makes 64 input channels (latent "
         f"channels x 2 x 2), but the model in '{folder}' takes 12; pass the release folder it came with\n")
 
 
@@ -466,10 +466,12 @@ def test_configs_check_and_refusals(tmp_path):
 
 def test_euler_sampling_follows_the_flow_and_generate_writes_a_grid(tmp_path):
     """Given the exact velocity of the straight path to a target image ((x_t - x0) / t), the Euler sampler lands on
-    that image (guided or not); `python -m tessera.models.flux.generate` draws a grid from a trained checkpoint."""
+    that image (guided or not); `python -m tessera.generate` draws a grid from a trained checkpoint."""
     from PIL import Image
 
-    from tessera.models.flux import generate, sample
+    from tessera.generate import main as tessera_generate
+    from tessera.images import grid
+    from tessera.models.flux import sample
     from tessera.models.flux.encoders import patchify
     from tests.launch import merge, run_local
 
@@ -484,12 +486,11 @@ def test_euler_sampling_follows_the_flow_and_generate_writes_a_grid(tmp_path):
     for scale in (1.0, 4.0):
         images = sample.sample(Exact(), loader, captions, steps=7, scale=scale, seed=3)
         assert (torch.from_numpy(images).int() - target.int()).abs().max() <= 1
-    assert sample.grid(images, cols=2).shape == (2 + 18, 2 + 2 * 18, 3)
+    assert grid(images, cols=2).shape == (2 + 18, 2 + 2 * 18, 3)
     run_local(tmp_path / "run", *merge(MODEL, ["--training.steps", "2", "--checkpoint.enable"]))
     argv = ["--job.dump_folder", str(tmp_path / "run"), "--generate.prompt", "a big red circle in the middle",
             "--flux.sample_steps", "2"]
-    assert generate.main(argv) == 0
-    from tessera.generate import main as tessera_generate  # the common entry point hands Flux checkpoints over
+    assert tessera_generate(argv) == 0  # the common entry point hands Flux checkpoints to Flux's sampler
     assert tessera_generate([*argv, "--generate.seed", "5"]) == 0 and (tmp_path / "run/samples/generate-5.png").exists()
     assert Image.open(tmp_path / "run" / "samples" / "generate-0.png").size == ((2 + 4 * 18) * 4, (2 + 18) * 4)
 
@@ -497,7 +498,7 @@ def test_euler_sampling_follows_the_flow_and_generate_writes_a_grid(tmp_path):
 def test_a_cached_run_equals_an_encoding_one(tmp_path):
     """Latents and text features precomputed once (the cache command) give the same losses as encoding every step,
     bit for bit, through 1.3 passes over 40 pairs (noise, t and dropout still drawn per sample)."""
-    from tessera.models.flux import cache
+    from tessera import cache
     from tests.launch import merge, run_local
 
     run = merge(MODEL, ["--flux.shapes_pairs", "40", "--training.steps", "7", "--validation.enable"])

@@ -1,51 +1,23 @@
-"""The layering, read from the imports of every module under tessera/ (those inside functions too): the config
-schema at the bottom, families that import neither each other nor the trainer, no circle, and nothing that
-imports an entry point (`__main__`)."""
+"""The layering, read from the imports of every module under tessera/ (those inside functions too;
+scripts/import_floors.py reads them): every module on a floor, importing only from below it (its own part, a
+sibling part before its own, a lower floor), commands on the top floor only; the config schema at the bottom,
+families that import neither each other nor the trainer, no circle, and nothing that imports an entry point
+(`__main__`)."""
 
 import ast
 import pathlib
 
 import pytest
 
+from scripts import import_floors as floors
+from scripts.import_floors import GRAPH, MODULES, ROOT, family_of, under
+
 pytestmark = pytest.mark.fast
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "tessera"
-FAMILY_SHARED = {"common", "contract"}  # what families may import of tessera.models, beside their own folder
 ABOVE_FAMILIES = {"tessera.trainer", "tessera.train", "tessera.generate", "tessera.plan", "tessera.estimate"}
-
-
-def module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-
-
-def imports_of(path: pathlib.Path) -> set[str]:
-    """The tessera modules `path` imports, wherever in it (a name imported from a package counts as the
-    package's module when it is not a module itself)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                head = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(head + ([base] if base else []))
-            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
-    return {m for m in found if m in MODULES and m != name}
-
-
-GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
-
-
-def under(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
+# Commands left inside a family's folder, each with why (a family gives functions, never a command).
+FAMILY_COMMANDS_LEFT = {"tessera.models.flux.bfl": "Black Forest Labs' single-file names both ways; it imports only "
+                                                   "its own family: a generic conversion command is a follow-up"}
 
 
 def test_config_imports_nothing_else_of_tessera():
@@ -54,13 +26,6 @@ def test_config_imports_nothing_else_of_tessera():
     wrong = {(m, i) for m, deps in GRAPH.items() if under(m, "tessera.config") and m != "tessera.config.__main__"
              for i in deps if not under(i, "tessera.config")}
     assert not wrong, sorted(wrong)
-
-
-def family_of(module: str) -> str | None:
-    parts = module.split(".")
-    if len(parts) >= 3 and parts[:2] == ["tessera", "models"] and parts[2] not in FAMILY_SHARED:
-        return parts[2]
-    return None
 
 
 def test_families_import_neither_each_other_nor_the_trainer():
@@ -122,7 +87,47 @@ def test_the_reader_sees_imports():
     """The reader itself: it finds a family's known imports (so an empty finding above means something)."""
     assert "tessera.models.contract" in GRAPH["tessera.models.flux"]
     assert "tessera.config.sections" in GRAPH["tessera.preflight"]
-    assert "tessera.models.flux.data" in GRAPH["tessera.models.flux.cache"]
+    assert "tessera.data.encoded" in GRAPH["tessera.cache"]
+    assert "tessera.preflight" in GRAPH["tessera.loss_compare"]  # imported inside a function
+    assert "tessera.models.common.hf" in GRAPH["tessera.models"]
+
+
+def test_every_module_is_on_a_floor():
+    """A new module is given its place in scripts/import_floors.py: FLOORS (then `--write` the table)."""
+    assert not floors.unplaced(), floors.unplaced()
+
+
+def test_every_import_points_down():
+    """A module imports only its own part, a sibling part listed before its own on its floor, or a lower floor."""
+    assert not floors.upward_imports(), floors.upward_imports()
+
+
+def test_the_floor_rule_finds_what_climbs():
+    """The rule itself, on imports that climb: a floor up, a sibling part above, another family, a family's
+    command reaching the launcher (so an empty finding above means something); what points down passes."""
+    climbing = {"tessera.checkpoint.manager": {"tessera.trainer"}, "tessera.muon": {"tessera.checkpoint.plain"},
+                "tessera.models.flux.data": {"tessera.models.llama3.args"}, "tessera.data.tokens": {"tessera.config"},
+                "tessera.models.flux.generate": {"tessera.preflight"}}
+    assert floors.upward_imports(climbing) == [("tessera.checkpoint.manager", "tessera.trainer"),
+                                               ("tessera.models.flux.data", "tessera.models.llama3.args"),
+                                               ("tessera.models.flux.generate", "tessera.preflight"),
+                                               ("tessera.muon", "tessera.checkpoint.plain")]
+    assert floors.part_of("tessera.models.flux.generate") == ("tessera.models.flux", floors.FAMILY)
+
+
+def test_commands_are_on_the_top_floor_only():
+    """What runs as a program (`python -m ...`) sits on the top floor, and nothing below it runs as one."""
+    assert floors.commands_below_top() == sorted(FAMILY_COMMANDS_LEFT)
+    top = {m for m in MODULES if floors.position(floors.part_of(m)[1])[0] == floors.TOP}
+    assert {"tessera.train", "tessera.generate", "tessera.convert", "tessera.plan", "tessera.estimate.__main__",
+            "tessera.loss_compare", "tessera.cache", "tessera.config_cli", "tessera.config.__main__"} <= top
+    assert floors.runs_as_program("tessera.cache") and not floors.runs_as_program("tessera.preflight")
+
+
+def test_the_floor_table_in_internals_is_current():
+    doc = floors.DOC.read_text()
+    assert floors.with_table(doc) == doc, "docs/internals.md's import floors are stale: run " \
+                                          "`python scripts/import_floors.py --write`"
 
 
 # Module-level containers the module itself fills or changes: process-wide state, which a second run in the same

@@ -191,7 +191,7 @@ def test_a_full_disk_stops_the_run_in_one_line_keeping_the_previous_checkpoint(t
 
 @pytest.mark.fast
 def test_no_room_for_a_checkpoint_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
-    from tessera import preflight
+    from tessera import config_cli, preflight
     from tessera.checkpoint import space
     from tessera.train import main
 
@@ -200,7 +200,7 @@ def test_no_room_for_a_checkpoint_is_refused_before_any_rank_starts(tmp_path, mo
     argv = merge(TINY, ["--job.dump_folder", str(dump), "--checkpoint.enable"])
     refusal = (f"tessera: checkpoint.folder: '{dump}/checkpoint' has 1.0 MiB free, but one checkpoint of this run "
                f"needs about 1.5 MiB; free some space or pick another job.dump_folder or checkpoint.folder\n")
-    assert preflight.main(argv) == 2 and capsys.readouterr().err == refusal  # the launch check (run_train.sh)
+    assert config_cli.main(argv) == 2 and capsys.readouterr().err == refusal  # the launch check (run_train.sh)
     assert main(argv) == 2 and capsys.readouterr().err == refusal  # a rank, before anything is built
     assert not dump.exists()
     preflight.validate(preflight.parse_args(argv), 1)  # a plan or an estimate of the run saves nothing: no refusal

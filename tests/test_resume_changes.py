@@ -121,7 +121,7 @@ def test_every_checkpoint_damaged_is_refused_and_never_overwritten(tmp_path, cap
 def test_damaged_load_step_and_another_tokenizer_are_refused_at_launch(tmp_path, capsys):
     """The launch check (`python -m tessera.config`, before any rank starts) compares checksums, not only sizes,
     of the checkpoint checkpoint.load_step names; and the tokenizer's vocabulary with the checkpoint's."""
-    from tessera import preflight
+    from tessera import config_cli
     from tessera.train import main
     from tests.dist_worker import BASE
     from tests.test_prepared import word_tokenizer
@@ -131,20 +131,20 @@ def test_damaged_load_step_and_another_tokenizer_are_refused_at_launch(tmp_path,
                         str(word_tokenizer(tmp_path / "tok", 20))], CKPT,
                  ["--checkpoint.interval", "2", "--training.steps", "4"])
     assert main(argv) == 0
-    assert preflight.main([*argv, "--checkpoint.load_step", "2"]) == 0
+    assert config_cli.main([*argv, "--checkpoint.load_step", "2"]) == 0
     for name in (".metadata", "__0_0.distcp"):
         damaged = root / f"step-2/{name}"
         intact = damaged.read_bytes()
         _flip_middle(damaged, 8)
         capsys.readouterr()
-        assert preflight.main([*argv, "--checkpoint.load_step", "2"]) == 2
+        assert config_cli.main([*argv, "--checkpoint.load_step", "2"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"tessera: checkpoint.load_step: step 2 at {root}/step-2 is not "
                                                    f"usable: {damaged} changed after it was written"), err
         damaged.write_bytes(intact)
     other = word_tokenizer(tmp_path / "other", 30)
     capsys.readouterr()
-    assert preflight.main(merge(argv, ["--model.hf_assets_path", str(other)])) == 2
+    assert config_cli.main(merge(argv, ["--model.hf_assets_path", str(other)])) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"tessera: model.hf_assets_path: the tokenizer {other}/tokenizer.json has 40 tokens, but the model of the "
         f"checkpoint at {root}/step-4 has a vocabulary of 30: it was trained with another tokenizer; resume with "
@@ -157,7 +157,7 @@ def test_hf_folders_are_checked_before_ranks_start(tmp_path, capsys):
     (from a hub) is accepted."""
     import shutil
 
-    from tessera import preflight
+    from tessera import config_cli
     from tessera.train import main
     from tests.dist_worker import BASE
 
@@ -171,7 +171,7 @@ def test_hf_folders_are_checked_before_ranks_start(tmp_path, capsys):
 
     def check(folder) -> list[str]:
         capsys.readouterr()
-        code = preflight.main([*argv, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
+        code = config_cli.main([*argv, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
                                str(folder)])
         err = capsys.readouterr().err.strip().splitlines()
         assert (code == 0) == (not err), (code, err)
@@ -200,7 +200,7 @@ def test_changed_data_or_tokenizer_under_the_same_path_is_refused(tmp_path, caps
     """Each checkpoint records fingerprints of the data files (size, sampled blocks) and of tokenizer.json (whole):
     a file rewritten in place, grown, or a tokenizer with other ids is refused before ranks start, with the ways
     out; checkpoints from before the fingerprints still resume."""
-    from tessera import preflight
+    from tessera import config_cli
     from tessera.checkpoint.folder import write_marker
     from tessera.train import main
     from tests.dist_worker import BASE
@@ -221,7 +221,7 @@ def test_changed_data_or_tokenizer_under_the_same_path_is_refused(tmp_path, caps
 
     def check(*extra: str) -> list[str]:
         capsys.readouterr()
-        code = preflight.main(merge(argv, list(extra)))
+        code = config_cli.main(merge(argv, list(extra)))
         err = capsys.readouterr().err.strip().splitlines()
         assert (code == 0) == (not err) and code in (0, 2), (code, err)
         return err

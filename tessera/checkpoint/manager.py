@@ -61,7 +61,7 @@ from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
 from tessera.models import args_to_json, family
-from tessera.optim import keep_settings, resume_lr, settings_changed
+from tessera.optim import keep_settings, settings_changed
 
 log = logging.getLogger("tessera")
 # DCP in one process (no process group) says so on every save and load; that is the intended use here.
@@ -473,7 +473,7 @@ class Checkpointer:
             tr.progress.step, tr.progress.tokens_seen = progress["step"], progress["tokens_seen"]
             tr.progress.skipped_steps = progress.get("skipped_steps", 0)
         if "lr_scheduler" not in excluded:
-            resume_lr(tr.scheduler, train["lr_scheduler"])
+            tr.scheduler.load_state_dict(train["lr_scheduler"])  # it continues the saved schedule (optim.Schedule)
         if "dataloader" not in excluded:
             tr.data.load_state_dict(train["dataloader"])
         if "rng" not in excluded:

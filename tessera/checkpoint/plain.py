@@ -1,11 +1,10 @@
-"""State dicts of plain tensors, whatever wraps the model's weights in training.
+"""State dicts of plain tensors, whatever wraps the model's weights in training (tessera.tensors.plain_tensor).
 
 Float8 with FSDP float8 all-gathers keeps each converted weight in torchao's WeightWithDynamicFloat8CastTensor,
 MX in its MXFP8TrainingWeightWrapperTensor (under FSDP, as a DTensor's local tensor). Saved as they are, DCP
 pickles the wrapper class into the checkpoint, so every reader without that class allowlisted (a run without the
-converter, generate, convert, torch's dcp_to_torch_save) fails to unpickle it. These wrappers hold the weight
-itself as their first inner tensor; checkpoints get that tensor instead (a DTensor is rebuilt around it with the
-same mesh and placements). It shares the weight's storage, so DCP loading in place still fills the model.
+converter, generate, convert, torch's dcp_to_torch_save) fails to unpickle it. Checkpoints get the weight inside
+instead (plain_tensor), which shares its storage, so DCP loading in place still fills the model.
 
 The training state (step, scheduler, data position, RNG) is one torch.save'd blob, kept as a uint8 tensor: DCP
 pickles a BytesIO value as a BytesIO object, which torch.load's default (weights_only) refuses in the file
@@ -18,28 +17,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
-
-def plain_tensor(value: torch.Tensor) -> torch.Tensor:
-    """`value` as a torch.Tensor (or a DTensor of one) sharing its storage: a wrapper subclass's inner weight."""
-    if isinstance(value, DTensor):
-        local = plain_tensor(value._local_tensor)
-        if local is value._local_tensor:
-            return value
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
-    while type(value) is not torch.Tensor and is_traceable_wrapper_subclass(value):
-        names, _ = value.__tensor_flatten__()
-        inner = getattr(value, names[0])
-        if inner.shape != value.shape or inner.dtype != value.dtype:  # a quantized tensor, not a wrapper
-            raise TypeError(f"cannot checkpoint a {type(value).__qualname__} as a plain tensor: its inner "
-                            f"'{names[0]}' is {inner.dtype} {list(inner.shape)}, the tensor {value.dtype} "
-                            f"{list(value.shape)}")
-        value = inner
-    return value
+from tessera.tensors import plain_tensor
 
 
 def plain_state(state):

@@ -29,8 +29,8 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.plain import plain_tensor
 from tessera.config import ConfigError
+from tessera.tensors import plain_tensor
 
 log = logging.getLogger("tessera")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

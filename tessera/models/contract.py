@@ -59,6 +59,15 @@ class BatchView:
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """What a family's frozen encoders make of its data (ModelSpec.encode), for `python -m tessera.cache` to write
+    once (tessera.data.encoded's chunks) so that training reads it instead of encoding every step."""
+    folder: str  # where the cache goes (Flux: flux.latent_cache)
+    splits: Mapping[str, tuple[int, Callable[[list[int]], dict]]]  # split -> (its examples, encode(example ids) ->
+    # {column: tensor [len(ids), ...]})
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The torch side. `model(args)` builds on the current device (meta, for sharding first); the module has
     `init_buffers(device, positions=None)` (its position tables, at `positions`: by default 0 ... max_seq_len - 1),
@@ -79,8 +88,14 @@ class ModelSpec:
     batch: Callable | None = None  # (BatchView, loader) -> (inputs by keyword, labels) on device; None: token windows
     evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
     # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
-    generate: str | None = None  # "module:function" (argv) -> exit status: `python -m tessera.generate` hands a
-    # checkpoint of this family to it (Flux draws images)
+    draw: Callable | None = None  # (model, cfg, folder, prompt, seeds) -> uint8 images [len(seeds), h, w, c], one per
+    # noise seed, of the model loaded from `folder`: `python -m tessera.generate` draws a checkpoint of this family
+    # so (Flux: images of a caption) and writes their grid; cfg holds the family's options of the checkpoint's run
+    # where the command line leaves them. ValueError "key: why; fix"
+    draw_options: Callable | None = None  # (Hugging Face folder) -> {option: value}: the family's options such a
+    # folder implies for `draw`, {} when none (Flux: the encoders of the release the folder is part of)
+    encode: Callable | None = None  # (cfg, args, device) -> Encoded: what its frozen encoders make of the run's data,
+    # for `python -m tessera.cache`; ValueError "key: why; fix"
     data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch,
     # rewind, state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen
     # encoders), for a family that brings its own data (Flux: image-caption pairs); None: tokens

@@ -30,6 +30,13 @@ def autoencoder_shape(encoders: str) -> tuple[int, int]:
                          f"again") from None
 
 
+def release_options(folder: str) -> dict:
+    """The encoders of a diffusers transformer/ folder: the release it is part of (its parent), when that holds
+    text_encoder, tokenizer, vae... (ModelSpec.draw_options)."""
+    release = os.path.dirname(os.path.abspath(folder))
+    return {"encoders": release} if all(os.path.isdir(os.path.join(release, p)) for p in RELEASE_PARTS) else {}
+
+
 def _hf_args(path: str):
     from tessera.models import hf_args
 
@@ -68,7 +75,7 @@ def check(cfg, resolved=None, dims=None) -> None:
                          "flux.shapes_pairs to the number of pairs the cache holds")
     if f.latent_cache and not os.path.isfile(os.path.join(f.latent_cache, "train", "000000.pt")):
         raise ValueError(f"flux.latent_cache: no cache in '{f.latent_cache}'; write it first with python -m "
-                         f"tessera.models.flux.cache (same flags), or leave it empty to encode on the fly")
+                         f"tessera.cache (same flags), or leave it empty to encode on the fly")
     if m.converters:
         raise ValueError("model.converters: Float8/MX are not wired into flux yet; remove them")
     if m.attn_mask_type != "causal":

@@ -11,9 +11,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tessera.models.contract import Encoded
 from tessera.models.flux import shapes
 from tessera.models.flux.encoders import build_conditioning, image_ids, patchify
-from tessera.models.flux.latents import LatentCache
+from tessera.models.flux.latents import COLUMNS, LatentCache
 from tessera.models.flux.pairs import LISTERS, Pairs
 from tessera.parallel import cp
 
@@ -101,6 +102,24 @@ class FluxLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.sample_index = int(state["sample_index"])
+
+
+def encoded(cfg, args, device: torch.device) -> Encoded:
+    """The latents of the run's pairs, for its latent cache (ModelSpec.encode): both splits' loaders share the
+    frozen encoders, loaded once."""
+    f = cfg.flux
+    if not f.latent_cache:
+        raise ValueError("flux.latent_cache: empty; name the folder to write the cache to")
+    if cfg.training.dataset == "shapes" and not f.shapes_pairs:
+        raise ValueError("flux.shapes_pairs: 0 (endless shapes) cannot be cached; give the number of pairs")
+    encoders = frozen_encoders(cfg, args, device)
+    splits = {}
+    for split in ("train", "validation") if cfg.validation.enable else ("train",):
+        loader = FluxLoader(cfg, args, 0, 1, device, split, encoders)
+        loader.cache = None  # writing it
+        splits[split] = (len(loader.source), lambda ids, loader=loader: dict(zip(COLUMNS, loader.encode(
+            *loader.read(ids)), strict=True)))
+    return Encoded(folder=f.latent_cache, splits=splits)
 
 
 def build_loaders(cfg, world, args, splits: tuple[str, ...], bad=None) -> dict[str, FluxLoader]:

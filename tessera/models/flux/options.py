@@ -24,7 +24,7 @@ class FluxOptions:
     guidance: float = opt(3.5, "guidance scale fed to guidance-embedding flavors (flux-dev) in training", min=0.0)
     val_timesteps: list[str] = opt(["0.25", "0.5", "0.75"], "validation: the fixed t each held-out sample is "
                                    "noised to, in turn")
-    latent_cache: str = opt("", "folder of precomputed latents and text features (python -m tessera.models.flux.cache "
+    latent_cache: str = opt("", "folder of precomputed latents and text features (python -m tessera.cache "
                             "writes it), read instead of running the encoders; empty = encode on the fly")
     shapes_pairs: int = opt(0, "dataset = shapes: that many pairs, repeated (needed to cache them); 0 = endless", min=0)
     sample_freq: int = opt(0, "write a PNG grid of sample_prompts every N steps (and at the last); 0 = never", min=0)

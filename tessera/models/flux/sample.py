@@ -1,6 +1,7 @@
 """Sampling: Euler steps of the flow from noise (t = 1) to an image (t = 0), with classifier-free guidance (or,
 for guidance-embedding flavors, the scale fed to the model), decoded by the autoencoder and tiled into a PNG
-grid. During training every `flux.sample_freq` steps (and at the last) a few fixed prompts are drawn from fixed
+grid. `draw` is Flux's ModelSpec.draw: images of a caption from a loaded model (python -m tessera.generate). During
+training every `flux.sample_freq` steps (and at the last) a few fixed prompts are drawn from fixed
 noise, so the grids of one run differ only by what the model learned; they go to <dump_folder>/samples/ and to
 TensorBoard."""
 
@@ -10,10 +11,11 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image
 
+from tessera.images import grid, save_png
 from tessera.models.contract import RunView
-from tessera.models.flux.data import shard_inputs
+from tessera.models.flux.checks import PATCH, autoencoder_shape
+from tessera.models.flux.data import FluxLoader, shard_inputs
 from tessera.models.flux.encoders import unpatchify
 from tessera.parallel import cp
 
@@ -60,14 +62,21 @@ def sample(model, loader, prompts: list[str], steps: int, scale: float, seed: in
     return loader.autoencoder.decode(unpatchify(x, side, side)).cpu().numpy()
 
 
-def grid(images: np.ndarray, cols: int = 4) -> np.ndarray:
-    n, h, w, c = images.shape
-    rows = -(-n // cols)
-    out = np.zeros((rows * (h + 2) + 2, cols * (w + 2) + 2, c), dtype=np.uint8)
-    for i, img in enumerate(images):
-        r, col = divmod(i, cols)
-        out[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + col * (w + 2):2 + col * (w + 2) + w] = img
-    return out
+def _check_encoders(cfg, args, folder: str) -> None:
+    latents, _ = autoencoder_shape(cfg.flux.encoders)
+    if args.in_channels != latents * PATCH * PATCH:
+        raise ValueError(f"flux.encoders: '{cfg.flux.encoders}' makes {latents * PATCH * PATCH} input channels "
+                         f"(latent channels x 2 x 2), but the model in '{folder}' takes {args.in_channels}; pass the "
+                         f"release folder it came with")
+
+
+def draw(model, cfg, folder: str, prompt: str, seeds: list[int]) -> np.ndarray:
+    """uint8 [len(seeds), h, w, 3] images of `prompt` from the model loaded from `folder`, one per noise seed, with
+    cfg.flux's encoders, resolution and sampling settings."""
+    _check_encoders(cfg, model.args, folder)
+    loader = FluxLoader(cfg, model.args, 0, 1, next(model.parameters()).device, "validation")
+    f = cfg.flux
+    return np.concatenate([sample(model, loader, [prompt], f.sample_steps, f.guidance_scale, seed) for seed in seeds])
 
 
 def evaluate(tr: RunView, last: bool) -> bool:
@@ -85,8 +94,7 @@ def evaluate(tr: RunView, last: bool) -> bool:
         return True
     picture = grid(images, cols=min(4, len(images)))
     path = os.path.join(tr.cfg.job.dump_folder, "samples", f"step-{tr.step:06d}.png")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    Image.fromarray(picture).resize((picture.shape[1] * 4, picture.shape[0] * 4), Image.NEAREST).save(path)
+    save_png(picture, path)
     tr.image("samples", picture, tr.step)
     log.info(f"step {tr.step}: samples of {len(images)} prompts in {path}")
     return True

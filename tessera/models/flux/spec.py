@@ -1,11 +1,12 @@
 """Flux's torch side: its transformer, its plan (parallelize.py) and its hooks."""
 
 from tessera.models.contract import ModelSpec
-from tessera.models.flux.data import build_loaders, flow_loss, flux_batch
+from tessera.models.flux.checks import release_options
+from tessera.models.flux.data import build_loaders, encoded, flow_loss, flux_batch
 from tessera.models.flux.model import Flux
 from tessera.models.flux.parallelize import STACKS, parallelize
-from tessera.models.flux.sample import evaluate
+from tessera.models.flux.sample import draw, evaluate
 
 SPEC = ModelSpec(model=Flux, parallelize=parallelize, first_stage=(), last_stage=(), blocks=STACKS, loss=flow_loss,
                  batch=flux_batch, data=build_loaders, evaluate=evaluate,
-                 generate="tessera.models.flux.generate:main")
+                 draw=draw, draw_options=release_options, encode=encoded)

@@ -1,0 +1,36 @@
+"""The config command, `python -m tessera.config` (tessera/config/__main__.py runs it): a run's config checked before
+launch, its --help, and the config reference (docs/config-reference.md) with --markdown."""
+
+import logging
+import sys
+
+from tessera.config import ConfigError
+from tessera.preflight import help_text, markdown_reference, parse_args, validate
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tessera.config [--world-size N] [--errors-only] [flags]`: check only, for launch scripts (no torch
+    import): exit status 0 when the config is valid, 2 with one line on stderr when not. --errors-only: no warnings
+    (a launch script's pre-check: rank 0 says them once the run starts)."""
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print(f"tessera: --world-size: expected a positive integer (NGPU x nodes), got {argv[1:2]}",
+                  file=sys.stderr)
+            return 2
+        world_size, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--errors-only"]:
+        logging.getLogger("tessera").setLevel(logging.ERROR)
+        argv = argv[1:]
+    if argv == ["--markdown"]:
+        print(markdown_reference())
+        return 0
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        validate(parse_args(argv), world_size, launch=True, training=True)
+    except ConfigError as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    return 0
