@@ -105,7 +105,8 @@ def failures(a, result: dict, base: list[str], short: list[str], tmp: Path) -> N
         # (b) one failure under fault tolerance: group 1 killed at kill_at, relaunched at once
         dump = tmp / "ft_fail"
         flags = [local.ft_flags(address, i, 2, 1) for i in range(2)]
-        delay = {"TESSERA_FAULT_STEP_DELAY": str(a.step_delay)}
+        # Slower steps (tests/faults.py), so that the kill lands mid-run.
+        delay = {"program": (str(local.ROOT / "tests/faults.py"),), "TESSERA_TEST_STEP_SECONDS": str(a.step_delay)}
         groups = [local.start_single([*base, "--job.dump_folder", str(dump), *flags[i]], tmp / f"fail{i}.log",
                                      **delay) for i in range(2)]
         local.wait_for("kill step", lambda: len(local.rows(dump / "replica_1")) >= a.kill_at, groups, 600)

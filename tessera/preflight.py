@@ -3,15 +3,19 @@
 exists (each failure is one ConfigError line). The launcher (`python -m tessera.config`, which run_train.sh runs
 before starting ranks), tessera.train, estimate, plan and generate parse and check configs here."""
 
+from __future__ import annotations
+
 import dataclasses
+import functools
 import glob
 import json
 import logging
 import math
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
-from tessera import architecture, config
+from tessera import architecture, config, models
 from tessera.checkpoint.folder import read_saved_config
 from tessera.checkpoint.launch_check import check_initial_load, launch_resume_point
 from tessera.checkpoint.space import checkpoint_bytes, room_problem
@@ -26,31 +30,56 @@ from tessera.config.sections import (
 )
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.ft import check as ft_check
-from tessera.models import FAMILIES, family
+from tessera.models import family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
 
+if TYPE_CHECKING:  # the base class; the whole schema, families' sections included, is schema()
+    from tessera.config import JobConfig
+
 log = logging.getLogger("tessera")
 
-JobConfig = mount({name: family(name).options for name in FAMILIES if family(name).options is not None}, FAMILIES,
-                  __name__)
-Model = JobConfig.__dataclass_fields__["model"].type  # model.name chooses among the families (pickled by this name)
-# Options a family took over from the shared sections: {old key: new key}, read where they are now, with a warning.
-MOVED = {old: f"{name}.{new}" for name in FAMILIES for old, new in family(name).moved_options.items()}
+
+def schema() -> type:
+    """The whole config class: JobConfig with the registered families' sections, built on first use (for the
+    registry as it is then: a test that registers a family gets a schema with it)."""
+    return _schema(models.FAMILIES)
+
+
+@functools.cache
+def _schema(names: tuple[str, ...]) -> type:
+    return mount({name: family(name).options for name in names if family(name).options is not None}, names,
+                 __name__)
+
+
+def __getattr__(name: str) -> type:
+    """`JobConfig` (the whole schema) and `Model` (its section in which model.name chooses among the families):
+    pickle finds the classes the schema made by these names."""
+    if name == "JobConfig":
+        return schema()
+    if name == "Model":
+        return schema().__dataclass_fields__["model"].type
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def moved() -> dict[str, str]:
+    """Options a family took over from the shared sections: {old key: new key}, read where they are now, with a
+    warning."""
+    return {old: f"{name}.{new}" for name in models.FAMILIES for old, new in family(name).moved_options.items()}
 
 
 def parse_args(argv: list[str]) -> JobConfig:
     """defaults < --job.config_file TOML < CLI flags, the families' sections included."""
-    return config.parse_args(argv, JobConfig, MOVED)
+    return config.parse_args(argv, schema(), moved())
 
 
 def help_text() -> str:
-    return config.help_text(JobConfig)
+    return config.help_text(schema())
 
 
 def markdown_reference() -> str:
     """docs/config-reference.md: every section, the families' included."""
-    return config.markdown_reference(JobConfig)
+    return config.markdown_reference(schema())
 
 
 def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bool = False) -> ParallelDims:

@@ -4,9 +4,11 @@ TESSERA_TEST_STALL="rank:step:seconds": that rank sleeps before that step (a stu
 TESSERA_TEST_NAN_STEPS="3,4": those steps' gradients are NaN on every rank (for the non-finite policy).
 TESSERA_TEST_STEP_SECONDS="0.5": every step takes that much longer (a run long enough to signal in mid-run).
 TESSERA_TEST_SAVE_SECONDS="3": every checkpoint's shard writing takes that much longer (to signal during a save).
+TESSERA_TEST_KILL_BEFORE_MARKER="9": rank 0 is SIGKILLed once step 9's checkpoint is written, before its marker.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +52,18 @@ def slow_writes(writer_class, seconds: float) -> None:
     writer_class.write_data = slow
 
 
+def kill_before_marker(manager, step: int) -> None:
+    """The process dies (SIGKILL) when it is about to mark step `step`'s checkpoint complete (`manager`:
+    tessera.checkpoint.manager, whose rank 0 writes the marker)."""
+    write_marker = manager.write_marker
+
+    def killed(path, at, *args, **kwargs):
+        if at == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_marker(path, at, *args, **kwargs)
+    manager.write_marker = killed
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     train.train_step = faulty(train.train_step, os.environ.get("TESSERA_TEST_STALL", ""),
@@ -58,4 +72,7 @@ if __name__ == "__main__":
     if os.environ.get("TESSERA_TEST_SAVE_SECONDS"):
         from tessera.checkpoint.writer import HashingWriter
         slow_writes(HashingWriter, float(os.environ["TESSERA_TEST_SAVE_SECONDS"]))
+    if os.environ.get("TESSERA_TEST_KILL_BEFORE_MARKER"):
+        from tessera.checkpoint import manager
+        kill_before_marker(manager, int(os.environ["TESSERA_TEST_KILL_BEFORE_MARKER"]))
     sys.exit(train.main(sys.argv[1:]))

@@ -120,7 +120,9 @@ def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_r
 
 
 def _torchrun_train(dump, *extra, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tessera.train",
+    """tessera.train on 2 ranks; with `env`, through tests/faults.py, which injects the faults it names."""
+    program = [str(ROOT / "tests/faults.py")] if env else ["-m", "tessera.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *program,
            *BASE, "--training.steps", str(STEPS), "--training.local_batch_size", "4", "--job.dump_folder", str(dump),
            "--checkpoint.enable", "--checkpoint.interval", "3", *extra]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})},
@@ -159,7 +161,7 @@ def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
             _kill_tree(run.pid)
             break
     assert run.wait(timeout=60) != 0 and not (tmp_path / f"run/checkpoint/step-{STEPS}").exists()
-    crash = _torchrun_train(tmp_path / "run", env={"TESSERA_FAULT_KILL_BEFORE_MARKER": "9"})
+    crash = _torchrun_train(tmp_path / "run", env={"TESSERA_TEST_KILL_BEFORE_MARKER": "9"})
     out = crash.stdout.read()
     assert crash.wait(timeout=300) != 0 and not (tmp_path / "run/checkpoint/step-9/.complete").exists(), out[-2000:]
     again = _torchrun_train(tmp_path / "run")

@@ -2,7 +2,6 @@
 defined here, with its own option (the [toy] section), its own check and its own metric, is checked by the
 launcher's pre-check and trains 3 steps through tessera.train's entry point."""
 
-import importlib
 import sys
 import types
 from dataclasses import dataclass
@@ -62,11 +61,8 @@ def toy_registered(monkeypatch):
     folder = types.ModuleType("tessera.models.toy")
     folder.FAMILY = FAMILY
     monkeypatch.setitem(sys.modules, "tessera.models.toy", folder)
-    monkeypatch.setattr(models, "FAMILIES", (*models.FAMILIES, "toy"))
-    importlib.reload(preflight)  # the schema mounts the registry's families' options
-    yield preflight
-    monkeypatch.undo()
-    importlib.reload(preflight)
+    monkeypatch.setattr(models, "FAMILIES", (*models.FAMILIES, "toy"))  # the schema mounts the registry's families
+    return preflight
 
 
 def test_a_family_brings_its_option_check_and_metric(toy_registered, tmp_path, capsys):

@@ -91,7 +91,7 @@ def start_single(dump: Path, *args: str, delay: float = 0.15) -> subprocess.Pope
     """A replica group of one process (quick to start and to kill), each step slowed by `delay` seconds."""
     return local.start_single(merge(TINY, ["--job.dump_folder", str(dump)], args),
                               dump.parent / f"{dump.name}-{time.monotonic_ns()}.log",
-                              TESSERA_FAULT_STEP_DELAY=str(delay))
+                              program=(str(local.ROOT / "tests/faults.py"),), TESSERA_TEST_STEP_SECONDS=str(delay))
 
 
 def rows(dump: Path, replica_id: int) -> list[dict]:

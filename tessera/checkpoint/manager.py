@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 import uuid
@@ -64,9 +63,15 @@ from tessera.models import args_to_json, family
 from tessera.optim import keep_settings, settings_changed
 
 log = logging.getLogger("tessera")
-# DCP in one process (no process group) says so on every save and load; that is the intended use here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 __all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "read_marker", "step_folders", "verify", "write_marker"]
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """DCP in one process (no process group) says so on every save and load; that is the intended use here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def write_run_record(folder: str, cfg: JobConfig, args) -> dict[str, str]:
@@ -261,7 +266,8 @@ class Checkpointer:
                 lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, done))
         else:
             try:
-                dcp.save(state, storage_writer=writer, process_group=self.pg)
+                with _one_process_quiet():
+                    dcp.save(state, storage_writer=writer, process_group=self.pg)
                 error = None
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
                 error = e
@@ -308,7 +314,8 @@ class Checkpointer:
             kind = "hf"
         else:
             writer = HashingWriter(path)
-            dcp.save(self._state(model_only=True, dtype=dtype), storage_writer=writer, process_group=self.pg)
+            with _one_process_quiet():
+                dcp.save(self._state(model_only=True, dtype=dtype), storage_writer=writer, process_group=self.pg)
             digests, kind = writer.digests, "model"
         if self.rank == 0:
             write_marker(path, step, kind, {**digests, **write_run_record(path, self.cfg, self.model_args)})
@@ -319,7 +326,8 @@ class Checkpointer:
         """Step 0, model only, fp32: the common starting point of every layout."""
         path = self._fresh_folder(os.path.join(self.root, "step-0"))
         writer = HashingWriter(path)
-        dcp.save({"model": model_state(self.parts.model)}, storage_writer=writer)
+        with _one_process_quiet():
+            dcp.save({"model": model_state(self.parts.model)}, storage_writer=writer)
         self._finish(path, 0, "model", writer.digests)
         log.info(f"seed checkpoint written to {path}; any layout with checkpoint.enable loads it as step 0")
 
@@ -356,7 +364,8 @@ class Checkpointer:
         pinned = self.c.async_mode == "async_with_pinned_mem"
         stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False) if pinned
                                else StagingOptions(False, False, False, False))
-        resp = dcp.async_save(state, storage_writer=writer, process_group=self.pg, async_stager=stager)
+        with _one_process_quiet():  # (its upload thread's, in one process, is past this scope)
+            resp = dcp.async_save(state, storage_writer=writer, process_group=self.pg, async_stager=stager)
         upload = resp if isinstance(resp, Future) else resp.upload_completion
         upload.add_done_callback(lambda _: stager.close())
         return upload
@@ -369,8 +378,6 @@ class Checkpointer:
         records = write_run_record(path, self.cfg, self.model_args)
         if kind == "full" and self.inputs:
             records[INPUTS] = write_hashed(os.path.join(path, INPUTS), json.dumps(self.inputs, indent=1))
-        if os.environ.get("TESSERA_FAULT_KILL_BEFORE_MARKER") == str(step):  # fault-injection for tests
-            os.kill(os.getpid(), signal.SIGKILL)
         write_marker(path, step, kind, {**digests, **records})
         self.verified.add(path)
         self._purge(step)
@@ -444,7 +451,8 @@ class Checkpointer:
                         f"state (saved without diloco); the outer momentum starts at zero from its weights")
             del state["semi_sync"]
         try:
-            dcp.load(state, checkpoint_id=path, process_group=self.pg)
+            with _one_process_quiet():
+                dcp.load(state, checkpoint_id=path, process_group=self.pg)
         except Exception as e:  # DCP names the storage error; add which checkpoint it was
             raise CorruptCheckpoint(f"loading checkpoint {path} failed: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e

@@ -39,9 +39,11 @@ def start_process(cmd: list[str], log: Path, drop: tuple[str, ...] = (), **env: 
     return proc
 
 
-def start_single(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """tessera.train with `argv` as one process without torchrun."""
-    return start_process([sys.executable, "-m", "tessera.train", *argv], log,
+def start_single(argv: list[str], log: Path, program: tuple[str, ...] = ("-m", "tessera.train"),
+                 **env: str) -> subprocess.Popen:
+    """tessera.train (or `program`, which runs it: a script injecting faults) with `argv` as one process without
+    torchrun."""
+    return start_process([sys.executable, *program, *argv], log,
                          drop=("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"), **env)
 
 

@@ -92,8 +92,6 @@ class ReplicaGroup:
     def begin_step(self) -> None:
         """Join this step's quorum; when behind the others, recover from a live peer first. Semi-synchronous:
         meet the others before the first step only (then after_step)."""
-        if delay := os.environ.get("TESSERA_FAULT_STEP_DELAY"):  # fault-injection for tests: a slower step
-            time.sleep(float(delay))
         if self.semi is not None:
             if not self.semi.joined:
                 self.semi.join()
