@@ -69,7 +69,8 @@ def worker(a) -> None:
                           "--parallelism.context_parallel_degree", str(ranks),
                           "--parallelism.context_parallel_method", a.method,
                           "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", dump])
-        tr = build_trainer(cfg, init_world(validate(cfg, ranks)))
+        run = validate(cfg, ranks)
+        tr = build_trainer(run, init_world(run.dims))
         train_step(tr)
         start = time.perf_counter()
         for _ in range(a.steps):

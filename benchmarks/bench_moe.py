@@ -85,7 +85,8 @@ def worker(a) -> None:
                           str(a.seq_len), "--training.local_batch_size", "2", "--training.steps", str(a.steps + 2),
                           "--parallelism.expert_parallel_degree", str(a.worker_ep), "--lr_scheduler.warmup_steps",
                           "0", "--job.dump_folder", dump])
-        tr = build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
+        run = validate(cfg, world_size_from_env())
+        tr = build_trainer(run, init_world(run.dims))
         train_step(tr)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as prof:

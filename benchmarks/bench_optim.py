@@ -92,7 +92,8 @@ def worker(a) -> None:
     for name in OPTIMIZERS:
         with tempfile.TemporaryDirectory() as dump:
             cfg = parse_args([*flags(a, name, 1e-3, a.timed + 2), "--job.dump_folder", dump])
-            tr = build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
+            run = validate(cfg, world_size_from_env())
+            tr = build_trainer(run, init_world(run.dims))
             seconds = timing(tr.optimizer)
             train_step(tr)  # the first step learns each matrix's layout: untimed
             seconds.clear()

@@ -107,9 +107,10 @@ def make_trainer(argv: list[str]) -> Trainer:
         argv = [*argv, "--job.dump_folder", _DUMPS[-1].name]
     cfg = parse_args(argv)
     threads = torch.get_num_threads()
-    world = init_world(validate(cfg, 1))
+    run = validate(cfg, 1)
+    world = init_world(run.dims)
     torch.set_num_threads(threads)  # init_world picks its own count on CPU
-    return build_trainer(cfg, world)
+    return build_trainer(run, world)
 
 
 def sync_for(device: torch.device) -> Callable[[], None]:

@@ -38,7 +38,7 @@ def hold_like_with_like(sides: list[tuple[str, list[str], int]]) -> list[list[st
     for name, argv, nproc in sides:
         try:
             cfg = parse_args(argv)
-            dims = validate(cfg, nproc)
+            dims = validate(cfg, nproc).dims
         except ValueError as e:
             raise ValueError(f"run {name}: {e}") from None
         t = cfg.training

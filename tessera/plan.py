@@ -29,6 +29,7 @@ from tessera.estimate.cost import Cluster, cp_method, replica_sync, step_time
 from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 from tessera.preflight import parse_args, validate
+from tessera.run_plan import accumulation_steps
 
 FLAGS = {
     "gpus": Flag(int, 0, "GPUs of the cluster (nodes x gpus_per_node); required"),
@@ -130,7 +131,7 @@ def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batc
             per_step = batch * shard * r
             if global_batch and (global_batch % per_step or global_batch < per_step):
                 continue
-            accumulation = global_batch // per_step if global_batch else 1
+            accumulation = accumulation_steps(global_batch or -1, batch, shard * r)
             reduces = ("step", "microbatch") if pp > 1 and shard * cp > 1 and schedule not in ZERO_BUBBLE \
                 else ("step",)
             out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation, reduce, method)
@@ -152,14 +153,12 @@ def configure(base: JobConfig, c: Candidate) -> JobConfig:
 def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates: int, clu: Cluster,
          global_batch: int = 0) -> tuple[list[Candidate], int]:
     """(the best `top` candidates that fit, best first; the estimates run)."""
-    fam = models.family(base.model.name)
-    args = architecture.resolve(base, None, None)
-    counts = fam.counts(args, base.training.seq_len)
+    args, counts = sizes(base)
     limit, ranked = HEADROOM * memory_gib * GIB, []
     for c in candidates(base, args, gpus, clu.gpus_per_node, global_batch):
         cfg = configure(base, c)
         try:
-            dims = validate(cfg, gpus)
+            dims = validate(cfg, gpus).dims
         except ConfigError:
             continue
         c.floor = floor(cfg, dims, args, counts)
@@ -188,6 +187,13 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
         else:
             found.append(c)
     return found, runs
+
+
+def sizes(cfg: JobConfig) -> tuple[object, object]:
+    """(args, counts) of the model the search lays out: its flavor's, with the config's seq_len (every layout
+    validates to the same)."""
+    args = architecture.resolve(cfg, None, None)
+    return args, models.family(cfg.model.name).counts(args, cfg.training.seq_len)
 
 
 def floor(cfg: JobConfig, dims, args, counts) -> int:
@@ -252,9 +258,7 @@ def toml(c: Candidate, seq_len: int) -> str:
 def report(found: list[Candidate], runs: int, cfg: JobConfig, gpus: int, memory_gib: float, clu: Cluster) -> str:
     head = (f"{cfg.model.name} {cfg.model.flavor} on {gpus} GPUs of {memory_gib:g} GiB ({clu.gpus_per_node} per node), "
             f"seq {cfg.training.seq_len}: {len(found)} layout(s) that fit, best first ({runs} memory estimates)")
-    lines, groups = [head], cfg.fault_tolerance
-    from tessera import architecture
-    params = models.family(cfg.model.name).counts(architecture.resolve(cfg, None, None), cfg.training.seq_len).params
+    lines, groups, params = [head], cfg.fault_tolerance, sizes(cfg)[1].params
     for i, c in enumerate(found, 1):
         lines += ["", f"{i}. {describe(c)}: peak {c.peak / GIB:.1f} GiB per GPU, {c.tokens_per_s:,.0f} tokens/s per "
                       f"GPU (step {c.step_s:.3g} s)", toml(c, cfg.training.seq_len),

@@ -33,6 +33,7 @@ from tessera.ft import check as ft_check
 from tessera.models import family
 from tessera.parallel import pp_layout
 from tessera.parallel.dims import ParallelDims
+from tessera.run_plan import DataPlan, ResolvedRun, ResumePoint, batch_of
 
 if TYPE_CHECKING:  # the base class; the whole schema, families' sections included, is schema()
     from tessera.config import JobConfig
@@ -82,28 +83,31 @@ def markdown_reference() -> str:
     return config.markdown_reference(schema())
 
 
-def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bool = False) -> ParallelDims:
-    """Check everything that can be checked without torch; returns the resolved parallel degrees. `launch`: the
-    check before ranks start, which also reads the checkpoint a run starts from against its checksums. `training`:
-    for a run that will save (its launch check and its ranks), not a plan or an estimate of it."""
+def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bool = False) -> ResolvedRun:
+    """Check everything that can be checked without torch; returns what it resolved (`cfg` is left as given: the
+    record's config is the one the run runs). `launch`: the check before ranks start, which also reads the
+    checkpoint a run starts from against its checksums. `training`: for a run that will save (its launch check and
+    its ranks), not a plan or an estimate of it."""
+    cfg = ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     m, t = cfg.model, cfg.training
-    ft_check.place_group(cfg)  # fault tolerance: this replica group's own folder, the checkpoints shared
     architecture.check_model(cfg)
+    fam = family(m.name)
     _check_folders(cfg)
     if cfg.checkpoint.initial_load_path and not os.path.exists(cfg.checkpoint.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: no such folder '{cfg.checkpoint.initial_load_path}'")
     args, resume = _check_resume(cfg, launch)
     if training:
-        _check_room(cfg, args)
+        _check_room(cfg, fam, args)
     if m.hf_assets_path and not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
         raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{m.hf_assets_path}'; download it with "
                           f"scripts/download_hf_assets.py or leave the path empty for the byte tokenizer")
-    if not family(m.name).own_data:  # a family with its own data checks it in its check
+    data = _data_plan(cfg, fam, resume)
+    if not data.own:  # a family with its own data checks it in its check
         _check_data(cfg)
-        _check_tokenizer_vocab(cfg, args, resume)
+        _check_tokenizer_vocab(cfg, fam, args, resume)
         if resume:  # the tokenizer is the one the model learned; the files its data position counts in, the same
             from tessera.data import fingerprint
-            fingerprint.check_resume(cfg, resume, data="dataloader" not in cfg.checkpoint.exclude_from_loading)
+            fingerprint.check_resume(cfg, resume.path, data="dataloader" not in cfg.checkpoint.exclude_from_loading)
     _check_experts(cfg, args)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -114,12 +118,12 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bo
         raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dims.dp}"
                           f"{f' x replica groups {groups}' if groups > 1 else ''} = {per_step}")
-    ft_check.check_config(cfg, args, family(m.name).own_data)
+    ft_check.check_config(cfg, args, data.own)
     if "LOCAL_RANK" not in os.environ:  # the launcher's pre-check (a running group's rank 0 checks again, holding)
         ft_check.check_live(cfg, world_size)
-    _check_family(cfg, args, dims)
-    _check_layout(cfg, args, dims)
-    _check_data_files(cfg, dims)
+    _check_family(cfg, fam, args, dims)
+    _check_layout(cfg, fam, args, dims)
+    _check_data_files(cfg, data, dims)
     if dims.pp > 1:
         _check_pp(cfg, args, dims.pp)
     if dims.cp > 1 and t.seq_len % (2 * dims.cp):
@@ -144,7 +148,16 @@ def validate(cfg: JobConfig, world_size: int, launch: bool = False, training: bo
         raise ConfigError("metrics.live_memory: counts every op with a dispatch mode, which torch.compile does not "
                           "trace; measure with compile.enable = false (tessera.estimate traces compiled blocks "
                           "eagerly too)")
-    return dims
+    return ResolvedRun(cfg=cfg, family=fam, args=args, dims=dims, batch=batch_of(cfg, dims, groups), resume=resume,
+                       data=data)
+
+
+def _data_plan(cfg: JobConfig, fam, resume: ResumePoint | None) -> DataPlan:
+    from tessera.data import tokens
+
+    return DataPlan(own=fam.own_data, prepared=not fam.own_data and tokens.wanted(cfg.training),
+                    resumes_position=resume is not None and resume.kind == "full"
+                    and "dataloader" not in cfg.checkpoint.exclude_from_loading)
 
 
 def _check_muon(cfg: JobConfig) -> None:
@@ -192,8 +205,8 @@ def _check_folders(cfg: JobConfig) -> None:
 
 def _check_resume(cfg: JobConfig, launch: bool):
     """The checkpoint the run would resume from agrees with what is asked (model, data order, steps); returns
-    the architecture the run will build (its vocabulary may still follow the tokenizer) and that checkpoint's
-    path, if any."""
+    the architecture the run will build (its vocabulary may still follow the tokenizer) and that checkpoint, if
+    any."""
     resume = None
     if cfg.checkpoint.enable:
         resume = launch_resume_point(cfg, launch)
@@ -209,11 +222,11 @@ def _check_resume(cfg: JobConfig, launch: bool):
                               f"job.dump_folder")
     if resume is None:  # then the run starts from initial_load_path, if given
         check_initial_load(cfg, launch)
-    path = resume[1] if resume else None
-    return architecture.resolve(cfg, None, path), path
+    point = ResumePoint(step=resume[0], path=resume[1], kind=resume[2].get("kind")) if resume else None
+    return architecture.resolve(cfg, None, point.path if point else None), point
 
 
-def _check_tokenizer_vocab(cfg: JobConfig, args, resume: str | None) -> None:
+def _check_tokenizer_vocab(cfg: JobConfig, fam, args, resume: ResumePoint | None) -> None:
     """Resuming: the tokenizer's vocabulary fits the checkpoint's model, and is the one it was trained with where
     the flavor takes the tokenizer's; refused here rather than by the ranks once they have loaded it."""
     if not cfg.model.hf_assets_path or resume is None:
@@ -222,10 +235,10 @@ def _check_tokenizer_vocab(cfg: JobConfig, args, resume: str | None) -> None:
 
     vocab, path = HFTokenizer(cfg.model.hf_assets_path).vocab_size, os.path.join(cfg.model.hf_assets_path,
                                                                                  "tokenizer.json")
-    takes = cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab
+    takes = cfg.model.flavor in fam.takes_tokenizer_vocab
     if vocab > args.vocab_size or (takes and vocab != args.vocab_size):
         raise ConfigError(f"model.hf_assets_path: the tokenizer {path} has {vocab} tokens, but the model of the "
-                          f"checkpoint at {resume} has a vocabulary of {args.vocab_size}: it was trained with "
+                          f"checkpoint at {resume.path} has a vocabulary of {args.vocab_size}: it was trained with "
                           f"another tokenizer; resume with that one, or pick another job.dump_folder")
 
 
@@ -319,19 +332,19 @@ def _check_data(cfg: JobConfig) -> None:
             raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
 
 
-def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
+def _check_data_files(cfg: JobConfig, data: DataPlan, dims: ParallelDims) -> None:
     """Raw files (training.dataset = files, not prepared): a document to train on (and one held out, with
     validation), and a sample of their records whose rate of bad ones would not pass training.max_bad_records over
     the records this run reads (tessera/data/sample.py says how that is estimated)."""
-    from tessera.data import sources, tokens
+    from tessera.data import sources
     from tessera.data.sample import RunReads
 
     t = cfg.training
-    if t.dataset_format != "text" and not family(cfg.model.name).own_data:
+    if t.dataset_format != "text" and not data.own:
         from tessera.data.examples import check_examples
 
         return check_examples(cfg)
-    if t.dataset != "files" or tokens.wanted(t) or family(cfg.model.name).own_data:
+    if t.dataset != "files" or data.prepared or data.own:
         return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     held_out = cfg.validation.enable and not cfg.validation.dataset_path  # record 100, 200, ... of the files
@@ -340,9 +353,9 @@ def _check_data_files(cfg: JobConfig, dims: ParallelDims) -> None:
     sources.check_files(t.dataset_path, t.dataset_text_field, held_out, t.max_bad_records, reads)
 
 
-def _check_family(cfg: JobConfig, args, dims: ParallelDims) -> None:
+def _check_family(cfg: JobConfig, fam, args, dims: ParallelDims) -> None:
     """The family's own check of its section and of what it needs of the rest (`Family.check`)."""
-    check = family(cfg.model.name).check
+    check = fam.check
     try:
         if check is not None:
             check(cfg, args, dims)
@@ -361,9 +374,8 @@ def _check_ulysses(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           f"context_parallel_method = allgather")
 
 
-def _check_layout(cfg: JobConfig, args, dims: ParallelDims) -> None:
+def _check_layout(cfg: JobConfig, fam, args, dims: ParallelDims) -> None:
     """What the family accepts of TP, CP and PP (its vocabulary, when the tokenizer's, is checked once known)."""
-    fam = family(cfg.model.name)
     if cfg.model.flavor in fam.takes_tokenizer_vocab:
         args = dataclasses.replace(args, vocab_size=0)
     try:
@@ -428,14 +440,14 @@ def _check_checkpoint(cfg: JobConfig, world_size: int) -> None:
                           f"{', '.join(STOP_SIGNALS)}, or none")
 
 
-def _check_room(cfg: JobConfig, args) -> None:
+def _check_room(cfg: JobConfig, fam, args) -> None:
     """The checkpoint folder has room for one more checkpoint (the newest one's size, or weights and two Adam
     moments in fp32): refused before any rank starts, not at the first save."""
     if cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint:
         root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        if not cfg.model.hf_assets_path and cfg.model.flavor in family(cfg.model.name).takes_tokenizer_vocab:
+        if not cfg.model.hf_assets_path and cfg.model.flavor in fam.takes_tokenizer_vocab:
             args = dataclasses.replace(args, vocab_size=ByteTokenizer.vocab_size)  # the built-in one's, known now
-        estimate = family(cfg.model.name).counts(args, cfg.training.seq_len).params * 4 * 3
+        estimate = fam.counts(args, cfg.training.seq_len).params * 4 * 3
         if problem := room_problem(root, checkpoint_bytes(root, estimate)):
             raise ConfigError(f"checkpoint.folder: {problem}; free some space or pick another job.dump_folder or "
                               f"checkpoint.folder")

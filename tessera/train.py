@@ -334,16 +334,16 @@ def main(argv: list[str]) -> int:
         return 0
     setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
-        cfg = parse_args(argv)
-        dims = validate(cfg, world_size_from_env(), launch="LOCAL_RANK" not in os.environ,  # one process: it launches
-                        training=True)
+        run = validate(parse_args(argv), world_size_from_env(), launch="LOCAL_RANK" not in os.environ,  # one
+                       training=True)  # process: it launches
     except ConfigError as e:
         return _fail(e, 2)
-    world = init_world(dims, cfg.comm.init_timeout_seconds)
+    cfg = run.cfg
+    world = init_world(run.dims, cfg.comm.init_timeout_seconds)
     setup_logging(world.rank)
     clean, tr = False, None
     try:
-        tr = build_trainer(cfg, world)
+        tr = build_trainer(run, world)
         if cfg.checkpoint.create_seed_checkpoint:
             tr.checkpointer.save_seed()
         else:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import architecture, experts, models
+from tessera import architecture, experts
 from tessera.checkpoint.manager import Checkpointer, Progress, Saved, find_resume, probe_writable, write_run_record
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_dataloader, build_tokenizer
@@ -35,6 +35,7 @@ from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
 from tessera.param_groups import param_role
 from tessera.preflight import check_vocab
+from tessera.run_plan import ResolvedRun, forward_passes
 
 log = logging.getLogger("tessera")
 
@@ -174,11 +175,10 @@ def set_token_loss(cfg: JobConfig, world: World, model: nn.Module) -> None:
             module.loss_chunks, module.chunk_loss = cfg.training.loss_chunks, chunk_loss
 
 
-def build_model(cfg: JobConfig, world: World, args, loss: Callable,
+def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
                 scale: LossScale) -> tuple[nn.Module, Pipeline | None]:
     """Meta model -> (pipeline stages) -> the family's parallelism plan -> materialized weights. `loss` times
     `scale` is what the pipeline schedule's last stage applies."""
-    spec = models.family(cfg.model.name).spec()
     with torch.device("meta"):
         model = spec.model(args)
     if spec.extra_loss is not None and world.dims.pp > 1:
@@ -204,8 +204,7 @@ def build_model(cfg: JobConfig, world: World, args, loss: Callable,
 def micro_batches(cfg: JobConfig, world: World, grad_accum: int) -> int:
     """Forward passes per optimizer step: each one's share of the step's mean loss is 1 / this, so that
     gradients sum to the mean's gradient."""
-    per_pass = cfg.parallelism.pipeline_parallel_microbatch_size if world.dims.pp > 1 else cfg.training.local_batch_size
-    return grad_accum * (cfg.training.local_batch_size // per_pass)
+    return forward_passes(cfg, world.dims.pp, grad_accum)
 
 
 def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipeline: Pipeline | None,
@@ -260,9 +259,8 @@ def set_determinism(cfg: JobConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_metrics(cfg: JobConfig, world: World) -> MetricsLogger:
-    return MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=world.rank == 0,
-                         labels=dict(models.family(cfg.model.name).metrics),
+def build_metrics(cfg: JobConfig, world: World, labels: dict[str, str]) -> MetricsLogger:
+    return MetricsLogger(cfg.job.dump_folder, cfg.training.steps, active=world.rank == 0, labels=labels,
                          wandb=cfg.metrics.enable_wandb,
                          tensorboard_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
                          if cfg.metrics.enable_tensorboard else None)
@@ -277,30 +275,32 @@ def start_run_folder(cfg: JobConfig, args, checkpointer: Checkpointer, n_params:
         write_run_record(cfg.job.dump_folder, cfg, args)
 
 
-def build_trainer(cfg: JobConfig, world: World) -> Trainer:
+def build_trainer(run: ResolvedRun, world: World) -> Trainer:
+    """The run that `tessera.preflight.validate` resolved, built on this rank."""
+    cfg, fam = run.cfg, run.family
     set_determinism(cfg)
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     damaged: set[str] = set()
     resume = find_resume(cfg, damaged)
     args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
-    spec = models.family(cfg.model.name).spec()
+    spec = fam.spec()
     if spec.data is None:  # a family with its own data has no vocabulary of the token loader's
         check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
-    per_pass = t.local_batch_size * world.dims.dp * ft_check.groups(cfg)  # fault tolerance: over replica groups too
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_pass
+    grad_accum = run.batch.accumulation
     loss, scale = step_loss(cfg, world, spec), LossScale()
-    model, pipeline = build_model(cfg, world, args, loss, scale)
-    optimizer = build_optimizer(model, cfg.optimizer, param_role(models.family(cfg.model.name), spec.blocks))
+    model, pipeline = build_model(cfg, world, spec, args, loss, scale)
+    optimizer = build_optimizer(model, cfg.optimizer, param_role(fam, spec.blocks))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
     data = spec.data or (lambda c, w, _, splits, bad: {split: build_dataloader(
-        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad) for split in splits})
+        c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad,
+        accumulation=grad_accum) for split in splits})
     loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
     loader, val_loader = loaders["train"], loaders.get("validation")
-    counts = models.family(cfg.model.name).counts(args, t.seq_len)  # of the whole model, whatever this rank holds
+    counts = fam.counts(args, t.seq_len)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters{f' ({counts.active:,} active)' if counts.active != counts.params else ''}, "
@@ -315,7 +315,8 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                   bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model))
     document_bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
     tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
-                 scheduler=scheduler, loader=loader, val_loader=val_loader, metrics=build_metrics(cfg, world),
+                 scheduler=scheduler, loader=loader, val_loader=val_loader,
+                 metrics=build_metrics(cfg, world, dict(fam.metrics)),
                  checkpointer=Checkpointer(cfg, world.rank, args, saved, damaged), tokenizer=tokenizer,
                  grad_accum=grad_accum,
                  flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,

@@ -30,7 +30,8 @@ BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.wa
 
 def _trainer(argv: list[str], steps: int, dump: str):
     cfg = parse_args(merge(BASE, ["--job.dump_folder", dump, "--training.steps", str(steps)], argv))
-    return build_trainer(cfg, init_world(validate(cfg, world_size_from_env())))
+    run = validate(cfg, world_size_from_env())
+    return build_trainer(run, init_world(run.dims))
 
 
 def full_params(model, attr: str = "") -> dict[str, torch.Tensor]:

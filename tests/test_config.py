@@ -406,7 +406,7 @@ def test_shipped_config_parses(name):
                                   "deepseek_v3_debug.toml", "gpt_oss_debug.toml", "llama4_debug.toml",
                                   "qwen3_sft_debug.toml", "qwen3_5_debug.toml", "qwen3_5_moe_debug.toml"])
 def test_debug_config_validates_at_world_size_2(name):
-    dims = validate(parse_args(["--job.config_file", str(CONFIGS / name)]), 2)
+    dims = validate(parse_args(["--job.config_file", str(CONFIGS / name)]), 2).dims
     assert (dims.dp_shard, dims.dp_replicate, dims.tp, dims.world_size) == (2, 1, 1, 2)
     proc = config_cli("--world-size", "2", "--job.config_file", str(CONFIGS / name))
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
@@ -419,7 +419,7 @@ def test_8b_config_validates_at_world_size_8_with_tokenizer(tmp_path):
         with pytest.raises(ConfigError, match=r"^model\.hf_assets_path: no tokenizer\.json"):
             validate(cfg, 8)
     (tmp_path / "tokenizer.json").write_text("{}")
-    dims = validate(parse_args(["--job.config_file", path, "--model.hf_assets_path", str(tmp_path)]), 8)
+    dims = validate(parse_args(["--job.config_file", path, "--model.hf_assets_path", str(tmp_path)]), 8).dims
     assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == (8, 1, 1, 8)
 
 
@@ -450,7 +450,7 @@ def test_big_configs_at_their_world_size(tmp_path, name):
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = parse_args(["--job.config_file", str(CONFIGS / name), "--model.hf_assets_path", str(tmp_path)])
     p = cfg.parallelism
-    dims = validate(cfg, world)
+    dims = validate(cfg, world).dims
     assert all(get(cfg, key) > 1 for key in needs)
     assert (dims.dp_shard, dims.tp, dims.pp, dims.ep, dims.world_size) == (p.data_parallel_shard_degree,
                                                                           p.tensor_parallel_degree,

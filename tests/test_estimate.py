@@ -122,7 +122,7 @@ def test_shipped_config_fits_the_gpus_it_is_meant_for(name, tmp_path):
     cfg = parse_args(["--job.config_file", str(ROOT / "configs" / name), "--model.hf_assets_path", ""])
     peak = estimate(cfg, world, "cuda").peak
     assert peak <= HEADROOM * 80 * GIB, f"{name}: {peak / GIB:.1f} GiB"
-    least = floor(cfg, validate(cfg, world), *_sizes(cfg))  # what plan rules layouts out by, before estimating
+    least = floor(cfg, validate(cfg, world).dims, *_sizes(cfg))  # what plan rules layouts out by, before estimating
     assert least <= peak, f"{name}: floor {least / GIB:.1f} GiB above the estimate's {peak / GIB:.1f}"
 
 
@@ -135,7 +135,7 @@ def _sizes(cfg) -> tuple:
 
 def _time(flags: list[str], world: int):
     cfg = parse_args(flags)
-    return step_time(cfg, validate(cfg, world), *_sizes(cfg), 1, Cluster())
+    return step_time(cfg, validate(cfg, world).dims, *_sizes(cfg), 1, Cluster())
 
 
 def test_time_model_shards_experts_and_dense_parameters_apart():
@@ -226,7 +226,7 @@ def test_planned_floor_rules_out_before_ranking():
 
     base = parse_args(["--model.flavor", "405B", "--training.seq_len", "8192"])
     small = configure(base, Candidate(8, 1, 1, 1, 1, 8, "1F1B", "full", 1, 1))  # FSDP 8 x TP 8 on 64 GPUs
-    assert floor(small, validate(small, 64), *_sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
+    assert floor(small, validate(small, 64).dims, *_sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
 
 
 @pytest.mark.parametrize("flags, ranks", [
@@ -294,11 +294,10 @@ def test_shipped_layout_is_the_one_plan_ranks_best(name):
 
     world, path = SHIPPED[name], ROOT / "configs" / name
     cfg = parse_args(["--job.config_file", str(path), "--model.hf_assets_path", ""])
-    dims, t = validate(cfg, world), cfg.training
-    accumulation = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    shipped = step_time(cfg, dims, *_sizes(cfg), accumulation, Cluster()).tokens_per_s
+    run = validate(cfg, world)
+    shipped = step_time(cfg, run.dims, *_sizes(cfg), run.batch.accumulation, Cluster()).tokens_per_s
     with quiet():
-        found, runs = plan(cfg, world, 80.0, 1, 40, Cluster(), t.local_batch_size * dims.dp * accumulation)
+        found, runs = plan(cfg, world, 80.0, 1, 40, Cluster(), run.batch.global_sequences)
     assert found, f"{name}: plan found no layout in {runs} estimates"
     best = found[0].tokens_per_s
     if name in CONVENTION:

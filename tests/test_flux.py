@@ -448,8 +448,8 @@ def test_configs_check_and_refusals(tmp_path):
         config = ["--job.config_file", f"configs/{name}.toml"]
         with pytest.raises(ConfigError, match="training.dataset_path: nothing at 'data/cc12m/"):
             validate(parse_args(config), 8)
-        assert validate(parse_args([*config, *ready]), 8).dp_shard == 8
-        assert validate(parse_args([*config, *ready, "--parallelism.context_parallel_degree", "2"]), 8).cp == 2
+        assert validate(parse_args([*config, *ready]), 8).dims.dp_shard == 8
+        assert validate(parse_args([*config, *ready, "--parallelism.context_parallel_degree", "2"]), 8).dims.cp == 2
     base = ["--job.config_file", "configs/flux_debug.toml", "--job.dump_folder", str(tmp_path / "d")]
     for flags, message in (
             (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree: flux flux-debug is trained "

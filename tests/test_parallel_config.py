@@ -45,5 +45,5 @@ def test_good_layouts_accepted():
                            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 2),
                          (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
                            "--parallelism.pipeline_parallel_degree", "2"], 16)):
-        dims = validate(parse_args([*TINY, *flags]), world)
+        dims = validate(parse_args([*TINY, *flags]), world).dims
         assert dims.dp_shard * dims.tp * dims.pp * dims.cp * dims.dp_replicate == world

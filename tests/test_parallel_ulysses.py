@@ -27,7 +27,7 @@ def test_heads_that_do_not_divide_by_tp_x_cp_are_refused_at_launch():
                "context_parallel_method = allgather")
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         validate(parse_args([*tiny, "--parallelism.context_parallel_degree", "4", *TP2]), 8)
-    assert validate(parse_args([*tiny, "--parallelism.context_parallel_degree", "4"]), 4).cp == 4  # 1 head each
+    assert validate(parse_args([*tiny, "--parallelism.context_parallel_degree", "4"]), 4).dims.cp == 4  # 1 head each
 
 
 def test_llama3_layouts_equal_one_process(tmp_path):

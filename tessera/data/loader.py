@@ -170,15 +170,15 @@ class TokenLoader:
 
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
-                     bad: BadRecords | None = None):
+                     bad: BadRecords | None = None, accumulation: int = 1):
     """The loader for `split` of cfg.training.dataset; rank `dp_rank` of `dp_degree` data-parallel ranks: a
     TokenLoader, or a PreparedLoader for prepared data. `bad` counts the records skipped (one count for the splits
-    of a run; default: a fresh one)."""
+    of a run; default: a fresh one). `accumulation`: batches per optimizer step (ResolvedRun.batch)."""
     t = cfg.training
     if tokens.wanted(t):  # pre-tokenized, memory-mapped
         from tessera.data.prepared import build_prepared_loader
 
-        return build_prepared_loader(cfg, tokenizer, dp_rank, dp_degree, split)
+        return build_prepared_loader(cfg, tokenizer, dp_rank, dp_degree, split, accumulation)
     bad = BadRecords(t.max_bad_records) if bad is None else bad
     _, path, read = read_from(cfg, split)
     docs = functools.partial(documents, t.dataset, path, t.dataset_text_field, read, t.seed, bad=bad)

@@ -192,8 +192,11 @@ class PreparedLoader:
             log.info(f"data mix over samples [0, {self.sample_index:,}): {self.describe_shares()}")
 
 
-def build_prepared_loader(cfg, tokenizer, dp_rank: int, dp_degree: int, split: str = "train") -> PreparedLoader:
-    """The loader of `split` of the run's prepared dataset(s); the tokenizer must be the one they were made with."""
+def build_prepared_loader(cfg, tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
+                          accumulation: int = 1) -> PreparedLoader:
+    """The loader of `split` of the run's prepared dataset(s); the tokenizer must be the one they were made with.
+    `accumulation`: batches per optimizer step, so that a mixture's shares are logged every metrics.log_freq
+    steps."""
     t = cfg.training
     parts, names, weights, ids = [], [], [], []
     for name, folder, weight, option in tokens.sources(t):
@@ -209,7 +212,6 @@ def build_prepared_loader(cfg, tokenizer, dp_rank: int, dp_degree: int, split: s
         weights.append(weight)
         ids.append(f"{name}={tokens.fingerprint(manifest)}" + (f":{weight:g}" if t.dataset_mix else ""))
     identity = f"{','.join(ids)} seq_len={t.seq_len} seed={t.seed}"
-    accumulation = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp_degree)
     loader = PreparedLoader(parts, names, weights, t.seq_len, t.local_batch_size, dp_rank, dp_degree, t.seed,
                             shuffle=split == "train", identity=identity,
                             log_every=cfg.metrics.log_freq * accumulation if split == "train" else 0)

@@ -17,7 +17,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
 
 from tessera import architecture, models
-from tessera.checkpoint.manager import find_resume
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, trace
@@ -106,18 +105,17 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     trace every block, not one or two of each kind (see `sampled`)."""
     groups = cfg.fault_tolerance
     cfg, has_tokenizer, notes = prepare(cfg, device)
-    dims = validate(cfg, world_size)
-    fam = models.family(cfg.model.name)
+    run = validate(cfg, world_size)
+    dims, fam = run.dims, run.family
     spec = fam.spec()
     if getattr(spec, "batch", None) is not None or getattr(spec, "data", None) is not None:
         raise ConfigError(f"model.name: {cfg.model.name} brings its own batches; tessera.estimate traces the token "
                           f"models ({', '.join(n for n in models.FAMILIES if n != cfg.model.name)})")
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     takes_vocab = has_tokenizer or cfg.model.flavor in fam.takes_tokenizer_vocab or not cfg.model.flavor
-    resume = find_resume(cfg, content=False)  # the architecture it holds is all that is read
-    args = architecture.resolve(cfg, tokenizer.vocab_size if takes_vocab else None, resume[1] if resume else None)
-    t = cfg.training
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    args = architecture.resolve(cfg, tokenizer.vocab_size if takes_vocab else None,  # the resumed architecture
+                                run.resume.path if run.resume else None)
+    t, grad_accum = cfg.training, run.batch.accumulation
     bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
     with trace.gpu_kernels(device == "cuda"):
         kinds = _whole(cfg, dims, args, spec, grad_accum, bos, exact) if dims.pp == 1 else \

@@ -7,6 +7,7 @@ checkpoints need one): each group's logs, metrics.jsonl and report in `replica_<
 (flock: released by the kernel however the process ends) and records its config's fingerprint next to it.
 """
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -56,7 +57,8 @@ def lighthouse_address(cfg: JobConfig) -> str:
 
 
 def job_root(cfg: JobConfig) -> str:
-    return getattr(cfg, "_ft_root", cfg.job.dump_folder)
+    """The job's folder, of a config placed by place_group: the parent of this group's job.dump_folder."""
+    return os.path.dirname(cfg.job.dump_folder)
 
 
 def group_folder(cfg: JobConfig, replica_id: int | None = None) -> str:
@@ -64,20 +66,20 @@ def group_folder(cfg: JobConfig, replica_id: int | None = None) -> str:
     return os.path.join(job_root(cfg), f"replica_{rid}")
 
 
-def place_group(cfg: JobConfig) -> None:
-    """Under fault tolerance: this group's job.dump_folder becomes <job.dump_folder>/replica_<id>, and a relative
-    checkpoint.folder stays where it was (<job.dump_folder>/<checkpoint.folder>), shared. Semi-synchronous groups
-    hold different weights inside a window and different inner optimizer states always: each saves its own, in
-    <checkpoint.folder>/replica_<id>. Idempotent."""
-    if not enabled(cfg) or hasattr(cfg, "_ft_root"):
-        return
-    root = cfg.job.dump_folder
-    object.__setattr__(cfg, "_ft_root", root)
-    if not os.path.isabs(cfg.checkpoint.folder):
-        cfg.checkpoint.folder = os.path.abspath(os.path.join(root, cfg.checkpoint.folder))
+def place_group(cfg: JobConfig) -> JobConfig:
+    """The config as this replica group runs it (`cfg` itself without fault tolerance; `cfg` is not changed):
+    job.dump_folder becomes <job.dump_folder>/replica_<id>, and a relative checkpoint.folder stays where it was
+    (<job.dump_folder>/<checkpoint.folder>), shared. Semi-synchronous groups hold different weights inside a window
+    and different inner optimizer states always: each saves its own, in <checkpoint.folder>/replica_<id>."""
+    if not enabled(cfg):
+        return cfg
+    root, rid = cfg.job.dump_folder, cfg.fault_tolerance.replica_id
+    folder = cfg.checkpoint.folder if os.path.isabs(cfg.checkpoint.folder) else \
+        os.path.abspath(os.path.join(root, cfg.checkpoint.folder))
     if cfg.fault_tolerance.semi_sync_method != "none":
-        cfg.checkpoint.folder = os.path.join(cfg.checkpoint.folder, f"replica_{cfg.fault_tolerance.replica_id}")
-    cfg.job.dump_folder = group_folder(cfg)
+        folder = os.path.join(folder, f"replica_{rid}")
+    return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, dump_folder=os.path.join(root, f"replica_{rid}")),
+                               checkpoint=dataclasses.replace(cfg.checkpoint, folder=folder))
 
 
 def check_config(cfg: JobConfig, args, has_own_data: bool) -> None:
