@@ -78,3 +78,17 @@ def read_train(loaded: torch.Tensor | io.BytesIO) -> dict:
     blob = io.BytesIO(loaded.numpy().tobytes()) if torch.is_tensor(loaded) else loaded
     blob.seek(0)
     return torch.load(blob, weights_only=False)  # our own checkpoint: scheduler and data state are plain objects
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `value` (a DTensor's local shard) as a plain tensor, sharing its storage."""
+    value = plain_tensor(value)
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's part) as a tensor laid out like `param` (a DTensor around it when `param` is one)."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return value
