@@ -23,6 +23,8 @@ from tessera.checkpoint.plain import like, local, model_state, optimizer_state
 from tessera.config import ConfigError
 from tessera.optim import keep_settings, resume_lr
 
+DATA = "dataloader"  # the part a replica group sends as of the start of the step it runs (ft/replicas.py)
+
 
 @dataclass
 class Progress:
@@ -147,18 +149,18 @@ class SchedulerPart(Part):
         resume_lr(self.scheduler, state)
 
 
-class DataPart(Part):
-    """The training loader's position (global: any layout resumes it)."""
-    name = "dataloader"
+class Stateful(Part):
+    """An object that keeps its own state (state_dict / load_state_dict): the training loader's position (global:
+    any layout resumes it)."""
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, name: str, obj):
+        self.name, self.obj = name, obj
 
     def state_dict(self) -> dict:
-        return self.loader.state_dict()
+        return self.obj.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
+        self.obj.load_state_dict(state)
 
 
 class RngPart(Part):
@@ -179,22 +181,13 @@ class RngPart(Part):
             torch.cuda.set_rng_state(state["cuda"], self.cuda)
 
 
-class OuterPart(Part):
+class OuterPart(Stateful):
     """fault_tolerance diloco: the outer optimizer and the weights at the last sync (ft/semisync.py: OuterState,
     whose live form is always a copy)."""
-    name, laid_out = "semi_sync", True
-
-    def __init__(self, outer):
-        self.outer = outer
-
-    def state_dict(self) -> dict:
-        return self.outer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.outer.load_state_dict(state)
+    laid_out = True
 
     def local_state_dict(self, copy: bool) -> dict:
-        return self.outer.state_dict(live=True)
+        return self.obj.state_dict(live=True)
 
 
 @dataclass(frozen=True)
@@ -214,5 +207,5 @@ class Saved:
     def parts(self) -> list[Part]:
         """The run's state, in the order it is loaded (the optimizer before the lr schedule, which sets its lr)."""
         parts = [ModelPart(self.model), OptimizerPart(self.model, self.optimizer), ProgressPart(self.progress),
-                 SchedulerPart(self.scheduler), DataPart(self.data), RngPart(self.device)]
-        return parts + ([OuterPart(self.outer)] if self.outer is not None else [])
+                 SchedulerPart(self.scheduler), Stateful(DATA, self.data), RngPart(self.device)]
+        return parts + ([OuterPart("semi_sync", self.outer)] if self.outer is not None else [])

@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from tessera.checkpoint.plain import local
-from tessera.checkpoint.run_state import DataPart, Saved
+from tessera.checkpoint.run_state import DATA, Saved
 from tessera.config import ConfigError, JobConfig
 from tessera.distributed import World, on_rank0
 from tessera.ft import check
@@ -51,7 +51,7 @@ def live_state(saved: Saved, job: list[str], position: dict, copy: bool) -> dict
     """What a recovering group copies from this one: the job's identity (checked before anything is copied), then
     every part of the run's state (this rank's shards), the data position that of the start of the step being run
     (`position`: its batches may have been read already, for a step run again)."""
-    return {"job": job, **{part.name: dict(position) if part.name == DataPart.name else part.local_state_dict(copy)
+    return {"job": job, **{part.name: dict(position) if part.name == DATA else part.local_state_dict(copy)
                            for part in saved.parts()}}
 
 
