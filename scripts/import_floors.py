@@ -40,8 +40,8 @@ FLOORS = (
      ("tessera.models.contract", "tessera.models.common", "tessera.models", FAMILY, "tessera.experts")),
     ("run parts", "what a run is built from and checked by: optimizers, checkpoints, the architecture resolved, "
      "inference loading, fault tolerance, the checks before any rank starts",
-     ("tessera.param_groups", "tessera.muon", "tessera.optim", "tessera.checkpoint", "tessera.architecture",
-      "tessera.pretrained", "tessera.ft", "tessera.preflight")),
+     ("tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim", "tessera.checkpoint",
+      "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.preflight")),
     ("trainer", "the builders of a run", ("tessera.trainer",)),
     ("commands", "what a user runs (`python -m ...`); `tessera` itself exports `from_pretrained`",
      ("tessera.report", "tessera.train", "tessera.estimate", "tessera.plan", "tessera.generate", "tessera.convert",

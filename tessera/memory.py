@@ -163,11 +163,11 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 @contextlib.contextmanager
 def live_memory(tr):
     """For `metrics.live_memory`: count the run's live bytes on this rank while training (slower: a Python
-    call per op). Entered once for the whole loop, so buffers a schedule allocates in its first step count."""
-    if not tr.cfg.metrics.live_memory:
+    call per op) with tr.live_bytes (built with the trainer). Entered once for the whole loop, so buffers a
+    schedule allocates in its first step count."""
+    if tr.live_bytes is None:
         yield
         return
-    tr.live_bytes = LiveBytes()
     with tr.live_bytes:
         for part in tr.pipeline.parts if tr.pipeline is not None else [tr.model]:
             tr.live_bytes.track(model_state(part, tr.optimizer))

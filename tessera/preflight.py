@@ -47,6 +47,7 @@ def schema() -> type:
     return _schema(models.FAMILIES)
 
 
+# Memoized safely: keyed by the registered families' names, and the schema is a function of them alone.
 @functools.cache
 def _schema(names: tuple[str, ...]) -> type:
     return mount({name: family(name).options for name in names if family(name).options is not None}, names,

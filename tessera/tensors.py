@@ -29,3 +29,17 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
                             f"{list(value.shape)}")
         value = inner
     return value
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `value` (a DTensor's local shard) as a plain tensor, sharing its storage."""
+    value = plain_tensor(value)
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's part) as a tensor laid out like `param` (a DTensor around it when `param` is one)."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return value

@@ -21,6 +21,7 @@ from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
 from tessera.ft import check as ft_check
 from tessera.ft.semisync import build_outer_state
+from tessera.memory import LiveBytes
 from tessera.metrics import MetricsLogger, peak_flops
 from tessera.models.common.chunked_loss import summed_cross_entropy
 from tessera.models.common.decoder import Decoder
@@ -92,7 +93,7 @@ class Trainer:
     evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
-    live_bytes: object | None = None  # metrics.live_memory: a tessera.memory.LiveBytes counting while training
+    live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
     labels_in_forward: bool = False  # the model takes the labels and returns its loss (training.loss_chunks)
 
@@ -312,26 +313,31 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
-                  bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model))
+                  bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model),
+                  device=world.device)
+    checkpointer = Checkpointer(cfg, world.rank, args, saved, damaged)
+    checkpointer.load(resume)
+    start_run_folder(cfg, args, checkpointer, counts.params)
     document_bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
+    fetch = functools.partial(spec.batch or token_batch, BatchView(world, document_bos, tokenizer.eos_id))
+    balancer = build_balancer(cfg, world, args, model, pipeline, grad_accum)
+    replicas = None
+    if cfg.fault_tolerance.enable:
+        from tessera.ft.replicas import ReplicaGroup
+        replicas = ReplicaGroup(cfg, world, saved, fetch, balancer=balancer, model_args=args)
     tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
                  metrics=build_metrics(cfg, world, dict(fam.metrics)),
-                 checkpointer=Checkpointer(cfg, world.rank, args, saved, damaged), tokenizer=tokenizer,
+                 checkpointer=checkpointer, tokenizer=tokenizer,
                  grad_accum=grad_accum,
                  flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
                  loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, loss_scale=scale,
                  token_loss=spec.loss is None,
-                 batch_fn=functools.partial(spec.batch or token_batch,
-                                            BatchView(world, document_bos, tokenizer.eos_id)),
+                 batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
                  extra_loss=spec.extra_loss,
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
-                 balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),
+                 balancer=balancer,
                  side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,
-                 evaluate=spec.evaluate, labels_in_forward=labels_in_forward(cfg, spec))
-    tr.checkpointer.load(resume)
-    start_run_folder(cfg, args, tr.checkpointer, counts.params)
-    if cfg.fault_tolerance.enable:
-        from tessera.ft.replicas import ReplicaGroup
-        tr.replicas = ReplicaGroup(tr)
+                 evaluate=spec.evaluate, labels_in_forward=labels_in_forward(cfg, spec),
+                 live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas)
     return tr

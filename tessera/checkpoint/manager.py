@@ -8,7 +8,6 @@ go to `exports/step-N/`, which resuming never reads.
 """
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -18,20 +17,12 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from tessera.checkpoint.folder import (
     DAMAGED,
@@ -52,7 +43,8 @@ from tessera.checkpoint.folder import (
     write_hashed,
     write_marker,
 )
-from tessera.checkpoint.plain import model_state, optimizer_state, read_train, train_blob, train_target
+from tessera.checkpoint.plain import model_state, read_train, train_blob, train_target
+from tessera.checkpoint.run_state import Part, Progress, Saved
 from tessera.checkpoint.space import save_failure
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError, JobConfig, to_toml
@@ -60,10 +52,11 @@ from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
 from tessera.models import args_to_json, family
-from tessera.optim import keep_settings, settings_changed
+from tessera.optim import settings_changed
 
 log = logging.getLogger("tessera")
-__all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "read_marker", "step_folders", "verify", "write_marker"]
+__all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "Progress", "Saved", "read_marker", "step_folders", "verify",
+           "write_marker"]
 
 
 @contextlib.contextmanager
@@ -181,26 +174,19 @@ def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool =
             damaged.add(path)
 
 
-@dataclass
-class Progress:
-    """The step counters a full checkpoint holds (its train_state); the Trainer counts in this one."""
-    step: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0  # training.nonfinite_policy = skip: steps not applied
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What a checkpoint holds, by name (with the RNG states, torch's own): the checkpointer is given this, not the
-    Trainer. The model's state holds its buffers too (an MoE model's expert biases, which the balancer updates)."""
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: Any  # the training loader: its position (state_dict / load_state_dict)
-    progress: Progress
-    bos_id: int | None = None  # the tokenizer's: Hugging Face exports' config.json names them
-    eos_id: int | None = None
-    outer: Any = None  # fault_tolerance diloco: the outer optimizer and the weights at the last sync (OuterState)
+def checkpoint_state(parts: list[Part]) -> dict:
+    """A full checkpoint's state dict: each part laid out like the model under its name, the others in one blob,
+    "train" (in the parts' order: model, optimizer, train, semi_sync)."""
+    state, train = {}, {}
+    for part in parts:
+        if part.laid_out:
+            state[part.name] = part.state_dict()
+        else:
+            train[part.name] = part.state_dict()
+            state["train"] = train  # its place among the entries; the blob below
+    if train:
+        state["train"] = train_blob(train)
+    return state
 
 
 class Checkpointer:
@@ -225,21 +211,10 @@ class Checkpointer:
 
     # ---- state ---------------------------------------------------------------------------------------
     def _state(self, model_only: bool, dtype: torch.dtype | None = None) -> dict:
-        tr = self.parts
-        model = model_state(tr.model)  # plain tensors, whatever wraps the weights
-        if dtype is not None:
-            model = {k: v.to(dtype) for k, v in model.items()}
         if model_only:
-            return {"model": model}
-        train = {"train_state": dataclasses.asdict(tr.progress),
-                 "lr_scheduler": tr.scheduler.state_dict(),
-                 "dataloader": tr.data.state_dict(),
-                 "rng": {"cpu": torch.get_rng_state(),
-                         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-        state = {"model": model, "optimizer": optimizer_state(tr.model, tr.optimizer), "train": train_blob(train)}
-        if tr.outer is not None:
-            state["semi_sync"] = tr.outer.state_dict()
-        return state
+            model = model_state(self.parts.model)
+            return {"model": {k: v.to(dtype) for k, v in model.items()} if dtype is not None else model}
+        return checkpoint_state(self.parts.parts())
 
     # ---- save ----------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool) -> bool:
@@ -438,8 +413,10 @@ class Checkpointer:
         log.info(f"initialized from {path}{' (Hugging Face)' if self.c.initial_load_in_hf else ''}")
 
     def _load(self, path: str, model_only: bool) -> None:
-        tr, excluded = self.parts, set(self.c.exclude_from_loading)
+        excluded = set(self.c.exclude_from_loading)
         model_only = model_only or {"optimizer", "train_state"} <= excluded
+        parts = [part for part in self.parts.parts()
+                 if part.name == "model" or not (model_only or part.name in excluded)]
         state = self._state(model_only)
         check_shapes(path, state["model"])
         if "optimizer" in excluded:
@@ -456,16 +433,14 @@ class Checkpointer:
         except Exception as e:  # DCP names the storage error; add which checkpoint it was
             raise CorruptCheckpoint(f"loading checkpoint {path} failed: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
-        set_model_state_dict(tr.model, state["model"], options=StateDictOptions(strict=True))
-        if "optimizer" in state:
-            built = [dict(group) for group in tr.optimizer.param_groups]
-            set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"])
-            keep_settings(tr.optimizer, built)  # a setting changed on resume is applied, not the saved one
-            self._say_optimizer_changes(path)
-        if "train" in state:
-            self._load_train_state(tr, read_train(state["train"]), excluded)
-        if "semi_sync" in state:
-            tr.outer.load_state_dict(state["semi_sync"])
+        train = read_train(state["train"]) if "train" in state else {}
+        for part in parts:  # in their order: the optimizer's settings before the lr schedule sets its lr
+            if not part.laid_out:
+                part.load_state_dict(train[part.name])
+            elif part.name in state:  # not a diloco state the checkpoint lacks (warned above)
+                part.load_state_dict(state[part.name])
+                if part.name == "optimizer":
+                    self._say_optimizer_changes(path)
 
     def _say_optimizer_changes(self, path: str) -> None:
         changed = settings_changed(read_saved_config(path).get("optimizer", {}), self.cfg.optimizer)
@@ -473,18 +448,3 @@ class Checkpointer:
             log.warning(f"optimizer: {', '.join(changed)} since the checkpoint at {path}: applied from the next "
                         f"step; the optimizer's moments are kept and the lr schedule continues from the step "
                         f"reached with the new peak")
-
-    @staticmethod
-    def _load_train_state(tr: Saved, train: dict, excluded: set[str]) -> None:
-        if "train_state" not in excluded:
-            progress = train["train_state"]
-            tr.progress.step, tr.progress.tokens_seen = progress["step"], progress["tokens_seen"]
-            tr.progress.skipped_steps = progress.get("skipped_steps", 0)
-        if "lr_scheduler" not in excluded:
-            tr.scheduler.load_state_dict(train["lr_scheduler"])  # it continues the saved schedule (optim.Schedule)
-        if "dataloader" not in excluded:
-            tr.data.load_state_dict(train["dataloader"])
-        if "rng" not in excluded:
-            torch.set_rng_state(train["rng"]["cpu"])
-            if train["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(train["rng"]["cuda"])

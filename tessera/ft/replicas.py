@@ -16,16 +16,18 @@ step the others are at, never one it trained before.
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import xxhash
-from torch.distributed.tensor import DTensor
 
-from tessera.config import ConfigError
-from tessera.distributed import on_rank0
+from tessera.checkpoint.run_state import DATA, Saved
+from tessera.config import ConfigError, JobConfig
+from tessera.distributed import World, on_rank0
 from tessera.ft import check
-from tessera.ft.semisync import SemiSync, allreduce_buckets, like, local
+from tessera.ft.semisync import SemiSync, allreduce_buckets
+from tessera.tensors import local
 
 log = logging.getLogger("tessera")
 
@@ -45,16 +47,36 @@ def quiet_torchft() -> None:
         logging.getLogger(name).propagate = name == "torchft"
 
 
-class ReplicaGroup:
-    """The torchft Manager of this group, and the trainer's hooks around it (see tessera/train.py: train_step)."""
+def live_state(saved: Saved, job: list[str], position: dict, copy: bool) -> dict:
+    """What a recovering group copies from this one: the job's identity (checked before anything is copied), then
+    every part of the run's state (this rank's shards), the data position that of the start of the step being run
+    (`position`: its batches may have been read already, for a step run again)."""
+    return {"job": job, **{part.name: dict(position) if part.name == DATA else part.local_state_dict(copy)
+                           for part in saved.parts()}}
 
-    def __init__(self, tr):
+
+def load_live_state(saved: Saved, state: dict) -> None:
+    """Every part of the run's state from a live group's live_state (its shards of the same layout)."""
+    if saved.outer is not None and "semi_sync" not in state:
+        raise ConfigError("fault_tolerance.semi_sync_method: the live replica group runs without diloco; every "
+                          "group runs the same config")
+    for part in saved.parts():
+        part.load_local_state_dict(state[part.name])
+
+
+class ReplicaGroup:
+    """The torchft Manager of this group, and the step's hooks around it (see tessera/train.py: train_step).
+    `fetch`: (loader) -> a micro-batch, which `batch` wraps (the trainer's batch_fn)."""
+
+    def __init__(self, cfg: JobConfig, world: World, saved: Saved, fetch: Callable, *, balancer=None,
+                 model_args=None):
         quiet_torchft()
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-        self.tr, f = tr, tr.cfg.fault_tolerance
-        on_rank0(lambda: check.check_live(tr.cfg, tr.world.size, hold=True))
-        self.job, self.settings = check.identity(tr.cfg, tr.world.size)
+        self.cfg, self.world, self.saved, self.fetch, self.balancer = cfg, world, saved, fetch, balancer
+        self.model_args, f = model_args, cfg.fault_tolerance
+        on_rank0(lambda: check.check_live(cfg, world.size, hold=True))
+        self.job, self.settings = check.identity(cfg, world.size)
         self.mixed = False  # a group of another job is in the quorum (warned once)
         self.store = None
         store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -62,31 +84,33 @@ class ReplicaGroup:
             self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = "127.0.0.1", self.store.port
         timeout = timedelta(seconds=f.timeout_seconds)
-        pg = ProcessGroupNCCL(timeout) if tr.world.device.type == "cuda" else ProcessGroupGloo(timeout)
+        pg = ProcessGroupNCCL(timeout) if world.device.type == "cuda" else ProcessGroupGloo(timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=f.min_replica_size,
             use_async_quorum=False,  # a recovering group loads the peer's state before its forward: it trains too
             timeout=timeout, quorum_timeout=timedelta(seconds=f.quorum_timeout_seconds),
-            connect_timeout=timedelta(seconds=f.connect_timeout_seconds), rank=tr.world.rank,
-            world_size=tr.world.size, store_addr=store_addr, store_port=int(store_port),
-            lighthouse_addr=check.lighthouse_address(tr.cfg), replica_id=f"tessera_{self.job}_{f.replica_id:04d}",
+            connect_timeout=timedelta(seconds=f.connect_timeout_seconds), rank=world.rank,
+            world_size=world.size, store_addr=store_addr, store_port=int(store_port),
+            lighthouse_addr=check.lighthouse_address(cfg), replica_id=f"tessera_{self.job}_{f.replica_id:04d}",
             init_sync=False)  # every group initializes the same weights from training.seed: nothing to copy at step 0
-        self.manager.load_state_dict({"step": tr.step, "batches_committed": 0})  # resumed from a checkpoint: its step
+        self.manager.load_state_dict({"step": self.step, "batches_committed": 0})  # resumed: the checkpoint's step
         self.batches: list | None = None  # this step's batches, kept until it commits (run again if it does not)
-        self.position = tr.loader.state_dict()  # the data position at the start of the step being run
+        self.position = saved.data.state_dict()  # the data position at the start of the step being run
         self.recovered_s: float | None = None  # set by _load: this step started with a recovery
         self.quorum = 0
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
         self.started = time.perf_counter()
-        self.syncs, self.sent_bytes, self.sync_s, self.tokens_at_start = 0, 0, 0.0, tr.tokens_seen
-        self.outer = tr.checkpointer.parts.outer  # diloco: the outer optimizer and the weights at the last sync
+        self.syncs, self.sent_bytes, self.sync_s, self.tokens_at_start = 0, 0, 0.0, saved.progress.tokens_seen
+        self.outer = saved.outer  # diloco: the outer optimizer and the weights at the last sync
         self.semi = SemiSync(self, self.outer) if f.semi_sync_method != "none" else None
         self._batch_index = 0
-        fetch = tr.batch_fn
-        tr.batch_fn = lambda loader: self._batch(fetch, loader)
-        if tr.world.rank == 0:
-            log.info(f"fault tolerance: {check.describe(tr.cfg)}; logs in {tr.cfg.job.dump_folder}")
+        if world.rank == 0:
+            log.info(f"fault tolerance: {check.describe(cfg)}; logs in {cfg.job.dump_folder}")
+
+    @property
+    def step(self) -> int:
+        return self.saved.progress.step
 
     # ---- the step ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -97,12 +121,12 @@ class ReplicaGroup:
                 self.semi.join()
             return
         if self.batches is None:
-            self.position = self.tr.loader.state_dict()
+            self.position = self.saved.data.state_dict()
         self.start_quorum()
         self._batch_index = 0
 
     def after_step(self) -> None:
-        """After step tr.step is counted: semi-synchronous groups sync here when the schedule says so."""
+        """After a step is counted: semi-synchronous groups sync here when the schedule says so."""
         if self.semi is not None:
             self.semi.after_step()
 
@@ -115,16 +139,16 @@ class ReplicaGroup:
         except ConfigError:  # _load refused the peer's state
             raise
         except Exception as e:  # torchft's quorum RPC: the lighthouse (or this group's manager) is gone
-            f = self.tr.cfg.fault_tolerance
-            raise RuntimeError(f"fault tolerance: step {self.tr.step + 1}: no quorum ({str(e).splitlines()[0][:200]});"
-                               f" is the lighthouse at {check.lighthouse_address(self.tr.cfg)} still up? (waited "
+            f = self.cfg.fault_tolerance
+            raise RuntimeError(f"fault tolerance: step {self.step + 1}: no quorum ({str(e).splitlines()[0][:200]});"
+                               f" is the lighthouse at {check.lighthouse_address(self.cfg)} still up? (waited "
                                f"fault_tolerance.quorum_timeout_seconds = {f.quorum_timeout_seconds})") from e
         self._check_quorum()
         if self.recovered_s is not None:
             seconds = time.perf_counter() - start
             self.recoveries, self.recovery_s = self.recoveries + 1, self.recovery_s + seconds
-            if self.tr.world.rank == 0:
-                log.warning(f"fault tolerance: recovered step {self.tr.step} from a live replica group in "
+            if self.world.rank == 0:
+                log.warning(f"fault tolerance: recovered step {self.step} from a live replica group in "
                             f"{seconds:.2f}s (model, optimizer, scheduler, data position), "
                             f"{time.perf_counter() - self.started:.1f}s after this group's model was ready; quorum "
                             f"{self.manager.num_participants()} group(s)")
@@ -140,8 +164,8 @@ class ReplicaGroup:
         mine = [float(int(self.settings[i:i + 4], 16)) for i in range(0, 16, 4)]
         mine += [float(int(d, 16)) for d in _digits(self.job)]
         table = torch.zeros(self.manager.num_participants(), len(mine) + 1, dtype=torch.float64,
-                            device=self.tr.world.device)
-        table[me] = torch.tensor([*mine, self.tr.step], dtype=torch.float64)
+                            device=self.world.device)
+        table[me] = torch.tensor([*mine, self.step], dtype=torch.float64)
         from torch.distributed import ReduceOp
         self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
@@ -150,25 +174,26 @@ class ReplicaGroup:
         lead = max(range(len(rows)), key=lambda i: (table[i, -1].item(), -i))
         if rows[lead] != mine:
             what = "job" if rows[lead][4:] != mine[4:] else "settings"
-            raise ConfigError(f"fault_tolerance: the quorum on lighthouse {check.lighthouse_address(self.tr.cfg)} "
+            raise ConfigError(f"fault_tolerance: the quorum on lighthouse {check.lighthouse_address(self.cfg)} "
                               f"trains another {what} than this group (job '{self.job}', settings {self.settings}); "
                               f"give each job its own lighthouse, or every group of a job the same config and "
                               f"fault_tolerance.job_name")
         if any(row != mine for row in rows):
             self.manager.report_error(ConfigError("a replica group of another job is in the quorum"))
-            if not self.mixed and self.tr.world.rank == 0:
-                log.warning(f"fault tolerance: step {self.tr.step + 1}: a replica group of another job (or with other "
+            if not self.mixed and self.world.rank == 0:
+                log.warning(f"fault tolerance: step {self.step + 1}: a replica group of another job (or with other "
                             f"settings) joined the quorum; nothing applied until it has left")
         self.mixed = any(row != mine for row in rows)
 
-    def _batch(self, fetch, loader):
-        """The training loader's batches of this step, the same ones again when the step is run again."""
-        if loader is not self.tr.loader or self.semi is not None:  # semi-synchronous: every inner step applies
-            return fetch(loader)
+    def batch(self, loader):
+        """The trainer's batch_fn: the training loader's batches of this step, the same ones again when the step is
+        run again."""
+        if loader is not self.saved.data or self.semi is not None:  # semi-synchronous: every inner step applies
+            return self.fetch(loader)
         if self.batches is None:
             self.batches = []
         if self._batch_index == len(self.batches):
-            self.batches.append(fetch(loader))
+            self.batches.append(self.fetch(loader))
         self._batch_index += 1
         return self.batches[self._batch_index - 1]
 
@@ -179,8 +204,8 @@ class ReplicaGroup:
         if self.semi is not None:  # each group steps on its own gradients
             return
         start = time.perf_counter()
-        grads = [local(p.grad) for p in self.tr.model.parameters() if p.grad is not None]
-        sent, wait = allreduce_buckets(self.manager, grads, self.tr.cfg.fault_tolerance.bucket_mb * 2**20)
+        grads = [local(p.grad) for p in self.saved.model.parameters() if p.grad is not None]
+        sent, wait = allreduce_buckets(self.manager, grads, self.cfg.fault_tolerance.bucket_mb * 2**20)
         wait()
         self.sent_bytes, self.sync_s = self.sent_bytes + sent, self.sync_s + time.perf_counter() - start
 
@@ -193,32 +218,32 @@ class ReplicaGroup:
         committed = self.manager.should_commit()
         self.syncs += committed
         self.note_quorum()
-        size, least = self.tr.cfg.fault_tolerance.group_size, self.tr.cfg.fault_tolerance.min_replica_size
+        size, least = self.cfg.fault_tolerance.group_size, self.cfg.fault_tolerance.min_replica_size
         if committed:
             self.batches = None
             self.degraded_steps += self.quorum < size
-            if self.below_min_since is not None and self.tr.world.rank == 0:
-                log.warning(f"fault tolerance: step {self.tr.step + 1} committed again, quorum {self.quorum} group(s)")
+            if self.below_min_since is not None and self.world.rank == 0:
+                log.warning(f"fault tolerance: step {self.step + 1} committed again, quorum {self.quorum} group(s)")
             self.below_min_since = None
             return True
         self.uncommitted += 1
-        self.tr.optimizer.zero_grad()
-        if self.tr.balancer is not None:
+        self.saved.optimizer.zero_grad()
+        if self.balancer is not None:
             from tessera.experts import reset_statistics
-            reset_statistics(self.tr.balancer.layers)
-        if self.below_min_since is None and self.tr.world.rank == 0:
+            reset_statistics(self.balancer.layers)
+        if self.below_min_since is None and self.world.rank == 0:
             why = (f"quorum {self.quorum} group(s), below fault_tolerance.min_replica_size {least}"
                    if self.quorum < least else "a peer failed during the step")
-            log.warning(f"fault tolerance: step {self.tr.step + 1} not committed ({why}); nothing applied, it runs "
+            log.warning(f"fault tolerance: step {self.step + 1} not committed ({why}); nothing applied, it runs "
                         f"again{' until enough groups join' if self.quorum < least else ''}")
-        self.below_min_since = self.tr.step if self.quorum < least else None
+        self.below_min_since = self.step if self.quorum < least else None
         return False
 
     def note_quorum(self) -> None:
         """After a commit vote: the quorum's size, a change of it logged."""
         before, self.quorum = self.quorum, self.manager.num_participants()
-        if self.quorum != before and before and self.tr.world.rank == 0:
-            log.warning(f"fault tolerance: step {self.tr.step + 1}: quorum {self.quorum} replica group(s), was "
+        if self.quorum != before and before and self.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.step + 1}: quorum {self.quorum} replica group(s), was "
                         f"{before}")
 
     def saves(self) -> bool:
@@ -232,16 +257,16 @@ class ReplicaGroup:
         semi = self.semi
         syncs, sent, seconds = (semi.syncs, semi.sent_bytes, semi.seconds) if semi else (self.syncs, self.sent_bytes,
                                                                                           self.sync_s)
-        tokens = self.tr.tokens_seen - self.tokens_at_start  # this group's, since this launch started
+        tokens = self.saved.progress.tokens_seen - self.tokens_at_start  # this group's, since this launch started
         record.update({"ft/syncs": syncs, "ft/sync_mb": sent / 2**20, "ft/sync_s": seconds,
                        # every rank sends its part: the group's bytes over the group's tokens
                        "ft/mb_per_sync": sent / 2**20 / syncs if syncs else 0.0,
-                       "ft/sync_bytes_per_token": sent * self.tr.world.size / tokens if tokens else 0.0})
+                       "ft/sync_bytes_per_token": sent * self.world.size / tokens if tokens else 0.0})
         if semi is not None:
             record["ft/failed_syncs"] = semi.failed
-        if "sample_index" in (position := self.tr.loader.state_dict()):  # the global data position reached
+        if "sample_index" in (position := self.saved.data.state_dict()):  # the global data position reached
             record["ft/sample_index"] = position["sample_index"]
-        if self.tr.cfg.fault_tolerance.log_state_digest:
+        if self.cfg.fault_tolerance.log_state_digest:
             record["ft/state_digest"] = self.digest()
             if semi is not None:  # the groups' inner optimizers differ; right after a sync their weights do not
                 record["ft/weights_digest"] = self.digest(weights_only=True)
@@ -251,7 +276,7 @@ class ReplicaGroup:
         """A hash of this rank's weights and optimizer state (diloco: the outer state too), bit for bit."""
         h = xxhash.xxh64()
         state = self._state()
-        outer = [v for part in state.get("outer", {}).values() for v in part.values()]
+        outer = [v for part in state.get("semi_sync", {}).values() for v in part.values()]
         inner = [v for s in state["optimizer"]["state"].values() for v in s.values()]
         for tensor in [*state["model"].values(), *([] if weights_only else [*inner, *outer])]:
             if isinstance(tensor, torch.Tensor):
@@ -267,56 +292,15 @@ class ReplicaGroup:
         """This rank's shard of everything a group trains with (no collective: torchft calls it from its quorum
         thread, while the step waits for the quorum). Semi-synchronous: copies, as this group goes on training while
         the recovering one reads them."""
-        tr = self.tr
-        part = (lambda v: local(v).clone()) if self.semi is not None else local
-        opt = tr.optimizer.state_dict()
-        sharded = [(i, k) for i, s in opt["state"].items() for k, v in s.items() if isinstance(v, DTensor)]
-        opt = {"state": {i: {k: part(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                         for i, s in opt["state"].items()},
-               "param_groups": opt["param_groups"], "sharded": sharded}
-        state = {"model": {k: part(v) for k, v in tr.model.state_dict().items()}, "optimizer": opt,
-                 "job": [self.job, self.settings],
-                 "train": {"step": tr.step, "tokens_seen": tr.tokens_seen, "skipped_steps": tr.skipped_steps,
-                           "lr_scheduler": tr.scheduler.state_dict(), "dataloader": dict(self.position),
-                           "rng": torch.get_rng_state()}}
-        if self.outer is not None:
-            state["outer"] = self.outer.state_dict(live=True)
-        return state
+        return live_state(self.saved, [self.job, self.settings], self.position, copy=self.semi is not None)
 
-    @torch.no_grad()
     def _load(self, state: dict) -> None:
-        tr, start = self.tr, time.perf_counter()
+        start = time.perf_counter()
         if (theirs := state.get("job") or ["?", "?"]) != [self.job, self.settings]:  # before anything is copied
             raise ConfigError(f"fault_tolerance: the live replica group this group would recover from runs job "
                               f"'{theirs[0]}' (settings {theirs[1]}), this group job '{self.job}' (settings "
                               f"{self.settings}); give each job its own lighthouse, or every group of a job the "
                               f"same config and fault_tolerance.job_name")
-        ours = tr.model.state_dict()
-        if ours.keys() != state["model"].keys():
-            raise ConfigError("fault_tolerance: the live replica group holds another model (its parameter names "
-                              "differ); every group runs the same config")
-        for name, value in state["model"].items():
-            target = local(ours[name])
-            if target.shape != value.shape:
-                raise ConfigError(f"fault_tolerance: the live replica group's '{name}' has shape {list(value.shape)} "
-                                  f"on this rank, this group {list(target.shape)}; every group runs the same model "
-                                  f"and layout")
-            target.copy_(value)
-        params = [p for group in tr.optimizer.param_groups for p in group["params"]]
-        opt = state["optimizer"]
-        for i, key in opt.pop("sharded"):
-            p = params[i]
-            opt["state"][i][key] = like(p, opt["state"][i][key].to(p.device))
-        tr.optimizer.load_state_dict(opt)
-        train = state["train"]
-        tr.step, tr.tokens_seen, tr.skipped_steps = train["step"], train["tokens_seen"], train["skipped_steps"]
-        tr.scheduler.load_state_dict(train["lr_scheduler"])
-        tr.loader.load_state_dict(train["dataloader"])
-        self.position, self.batches = dict(train["dataloader"]), None
-        torch.set_rng_state(train["rng"])
-        if self.outer is not None:
-            if "outer" not in state:
-                raise ConfigError("fault_tolerance.semi_sync_method: the live replica group runs without diloco; every "
-                                  "group runs the same config")
-            self.outer.load_state_dict(state["outer"])
+        load_live_state(self.saved, state)
+        self.position, self.batches = dict(state["dataloader"]), None
         self.recovered_s = time.perf_counter() - start

@@ -27,27 +27,12 @@ import re
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError
-from tessera.tensors import plain_tensor
+from tessera.tensors import like, local
 
 log = logging.getLogger("tessera")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `value` (a DTensor's local shard), sharing its storage."""
-    value = plain_tensor(value)
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value` (this rank's part) as a tensor laid out like `param` (a DTensor around it when `param` is one)."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
-    return value
 
 
 def allreduce_buckets(manager, tensors: list[torch.Tensor], limit_bytes: int, quantize: bool = False):
@@ -147,15 +132,15 @@ class SemiSync:
     after_step() after each)."""
 
     def __init__(self, group, outer: OuterState | None):
-        tr, f = group.tr, group.tr.cfg.fault_tolerance
-        self.group, self.tr, self.f, self.outer = group, tr, f, outer
+        f = group.cfg.fault_tolerance
+        self.group, self.f, self.outer = group, f, outer
         self.per = f.sync_steps // f.num_fragments
         self.delay = f.fragment_sync_delay
-        self.fragments = fragments(tr.model, f.num_fragments, getattr(tr.model_args, "n_layers", None))
+        self.fragments = fragments(group.saved.model, f.num_fragments, getattr(group.model_args, "n_layers", None))
         self.quantize = f.should_quantize
-        if self.quantize and tr.world.device.type != "cuda":
+        if self.quantize and group.world.device.type != "cuda":
             raise ConfigError("fault_tolerance.should_quantize: torchft's quantized all-reduce runs on CUDA (triton "
-                              f"kernels), this run is on {tr.world.device.type}; set it to false")
+                              f"kernels), this run is on {group.world.device.type}; set it to false")
         if outer is not None and not outer.loaded:
             outer.snapshot()  # the weights this run starts from (fresh, or loaded from weights alone)
         self.pending = None  # diloco: (fragment, its (name, param) pairs, their pseudo-gradients, wait)
@@ -167,22 +152,22 @@ class SemiSync:
         others reach their next sync, copies their state there, and takes part in that sync."""
         self.joined, start, least, said = True, time.perf_counter(), self.f.min_replica_size, False
         while not (healed := self._quorum()) and self.group.manager.num_participants() < least:
-            if self.tr.world.rank == 0 and not said:
+            if self.group.world.rank == 0 and not said:
                 log.warning(f"fault tolerance: {self.group.manager.num_participants()} replica group(s) live, "
                             f"waiting for fault_tolerance.min_replica_size {least} before the first step")
             said = True
         self.group.note_quorum()
         if healed:
-            self._due(self.tr.step)
+            self._due(self.group.step)
         self.seconds += time.perf_counter() - start
 
     def after_step(self) -> None:
-        n, start = self.tr.step, time.perf_counter()
+        n, start = self.group.step, time.perf_counter()
         if n % self.per == (self.per - self.delay) % self.per:
             self._quorum()
-            n = self.tr.step  # a group behind the others is at theirs now
+            n = self.group.step  # a group behind the others is at theirs now
             self._due(n)
-        elif self.pending is not None and (n % self.per == 0 or n == self.tr.cfg.training.steps):
+        elif self.pending is not None and (n % self.per == 0 or n == self.group.cfg.training.steps):
             self._apply()  # the last step applies a fragment still in flight
         else:
             return
@@ -190,9 +175,9 @@ class SemiSync:
 
     def _quorum(self) -> bool:
         """A quorum of the live groups at this step; True when this group copied a live one's state."""
-        self.group.position = self.tr.loader.state_dict()
+        self.group.position = self.group.saved.data.state_dict()
         manager = self.group.manager
-        manager.load_state_dict({"step": self.tr.step, "batches_committed": manager.batches_committed()})
+        manager.load_state_dict({"step": self.group.step, "batches_committed": manager.batches_committed()})
         self.group.start_quorum()
         return self.group.recovered_s is not None
 
@@ -207,7 +192,7 @@ class SemiSync:
         sent, wait = allreduce_buckets(self.group.manager, pseudo, self.f.bucket_mb * 2**20, self.quantize)
         self.sent_bytes += sent
         self.pending = (fragment, pseudo, wait)
-        if self.delay == 0 or n == self.tr.cfg.training.steps:
+        if self.delay == 0 or n == self.group.cfg.training.steps:
             self._apply()
 
     @torch.no_grad()
