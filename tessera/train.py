@@ -334,8 +334,8 @@ def main(argv: list[str]) -> int:
         return 0
     setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
-        run = validate(parse_args(argv), world_size_from_env(), launch="LOCAL_RANK" not in os.environ,  # one
-                       training=True)  # process: it launches
+        one_process = "LOCAL_RANK" not in os.environ  # then it is the launch too
+        run = validate(parse_args(argv), world_size_from_env(), launch=one_process, training=True)
     except ConfigError as e:
         return _fail(e, 2)
     cfg = run.cfg

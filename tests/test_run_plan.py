@@ -8,6 +8,7 @@ import re
 import pytest
 
 from tessera import models
+from tessera.ft.check import place_group
 from tessera.models.llama3 import FAMILY as LLAMA3
 from tessera.parallel.dims import ParallelDims
 from tessera.preflight import parse_args, validate
@@ -53,6 +54,11 @@ def test_pipeline_and_replica_groups(tmp_path, monkeypatch):
     assert run.cfg.job.dump_folder == str(tmp_path / "replica_1")
     assert run.cfg.checkpoint.folder == str(tmp_path / "checkpoint")
     assert validate(cfg, 2) == run  # the same config resolves to the same record
+    diloco = parse_args(merge(TINY, ["--job.dump_folder", str(tmp_path), "--fault_tolerance.enable",
+                                     "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
+                                     "--fault_tolerance.semi_sync_method", "diloco"]))
+    assert place_group(diloco).checkpoint.folder == str(tmp_path / "checkpoint" / "replica_1")  # each its own
+    assert diloco.checkpoint.folder == "checkpoint"
 
 
 def _sources() -> dict[str, str]:
