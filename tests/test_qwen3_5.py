@@ -4,6 +4,8 @@ generation against transformers on configs that are no preset (mixed layer_types
 multimodal release's text weights, the decoding cache against the uncached path, and counts."""
 
 import dataclasses
+import json
+import re
 
 import pytest
 import torch
@@ -110,9 +112,36 @@ def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs
     assert len(layers) == 2 and {(m.chunk_size, m.kernel) for m in layers} == {(8, "auto")}
     assert [r.getMessage() for r in caplog.records] == [
         "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk"]
-    # the convolution's taps are per-channel filters: never Muon's matrices
-    roles = [MOE.param_role(f"layers.0.attention.{n}", (8, 4)) for n in ("heads.conv_q", "wq.weight")]
-    assert roles == ["vector", None]
+
+
+@pytest.mark.fast
+def test_muon_and_float8_take_the_projections_and_leave_the_per_head_parameters():
+    """Muon orthogonalizes the projections (DeltaNet's too), attention's and the experts' matrices; the
+    convolution's taps (a filter per channel), A_log, dt_bias and the norms go to AdamW. Float8 converts every block
+    linear but the router and the shared expert's gate (1 wide: float8 GEMMs need multiples of 16, and gain
+    nothing there)."""
+    from tessera.parallel.quantize import apply_float8
+    from tests.test_muon import _groups
+    from tests.test_speed_features import _float8_cfg
+
+    def leaves(names):
+        return {n.split(".", 2)[2] if n.startswith("layers.") else n for n in names}
+
+    mixers = {f"attention.w{p}.weight" for p in "qkvzbao"}
+    for fam, flavor in ((DENSE, "tiny"), (MOE, "debugmodel_moe")):
+        groups = _groups(fam.name, flavor, "--optimizer.name", "Muon", "--optimizer.weight_decay_exclude")
+        muon = leaves(n for g in groups if g["muon"] for n in g["names"])
+        ffn = {"feed_forward.experts.w1", "feed_forward.router.gate.weight", "feed_forward.shared.gate.weight",
+               "feed_forward.shared.w2.weight"} if fam is MOE else {"feed_forward.w1.weight"}
+        assert mixers | ffn <= muon and not {n for n in muon if "heads" in n or "norm" in n}, muon
+        adamw = leaves(n for g in groups if not g["muon"] and not g["weight_decay"] for n in g["names"])
+        assert {f"attention.heads.{n}" for n in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias")} <= adamw
+
+    with torch.device("meta"):
+        moe = MOE.spec().model(dataclasses.replace(MOE.flavors["debugmodel_moe"], vocab_size=50))
+    converted = apply_float8(moe, _float8_cfg(filter_fqns=[]), torch.device("cpu"), MOE.high_precision)
+    assert leaves(converted) == {*(m.removesuffix(".weight") for m in mixers),
+                                 *(f"feed_forward.shared.w{i}" for i in (1, 2, 3))}
 
 
 def test_counts_equal_the_models_built():
@@ -206,7 +235,9 @@ _MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qw
 
 def test_layouts_equal_one_process(tmp_path):
     """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
-    head), PP (each stage a DeltaNet and a full-attention block) of the dense model; EP and TP of the MoE one.
+    head; also with each block compiled whole-graph: the chunked DeltaNet's scan, triangular solves and causal
+    convolution trace without a break), PP (each stage a DeltaNet and a full-attention block) of the dense model;
+    EP and TP of the MoE one.
     Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
     from tests.dist_worker import run_grads
     from tests.launch import assert_matches, run_cases
@@ -216,6 +247,8 @@ def test_layouts_equal_one_process(tmp_path):
     tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
     cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
              "dense tp2": [*_DENSE, "--training.local_batch_size", "8", *tp],
+             "dense tp2 compiled": [*_DENSE, "--training.local_batch_size", "8", *tp, "--compile.enable",
+                                    "--compile.components", "model"],
              "dense fsdp2 op AC": [*_DENSE, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
                                    "selective", "--activation_checkpoint.selective_ac_option", "op"],
              "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
@@ -228,18 +261,71 @@ def test_layouts_equal_one_process(tmp_path):
             raise AssertionError(f"{name}: {e}") from None
 
 
+_MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--optimizer.weight_decay_exclude"]
+_F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+_ULYSSES = ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses"]
+
+
+def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
+    """One 4-rank launch, each case against one process with the same settings (losses, grad norms, step-1
+    gradients, final parameters; fp32): HSDP 2 x 2 (dense); Muon under FSDP 2 x TP 2 (dense) and EP 2 x FSDP 2
+    (MoE): the projections (DeltaNet's wb and wa too) and experts orthogonalized, convolution taps, decay and norms
+    under AdamW; Ulysses CP 2 x FSDP 2 (dense) and CP 2 x EP 2 (MoE) on packed documents: DeltaNet runs whole
+    sequences of a head group per rank, its state reset per document. Float8 (emulated, tensorwise) under FSDP 4,
+    as tests/test_speed_features.py holds it: its activations' scales are each rank's own amax, so against one
+    process it is within float8's rounding (and off high precision); with FSDP float8 all-gathers (weights cast
+    before the gather, by the global amax) it equals the same layout without them."""
+    from tests.dist_worker import run_grads
+    from tests.launch import assert_matches, run_cases
+    from tests.test_speed_features import LOW_PRECISION_TOL
+
+    docs = tmp_path / "short.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
+    packed = ["--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
+              "block_causal"]
+    batch = "--training.local_batch_size"
+    cases = {  # name: (model and settings, this layout)
+        "HSDP 2x2": (_DENSE, [batch, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+        "Muon FSDP 2 x TP 2": ([*_DENSE, *_MUON], [batch, "4", "--parallelism.tensor_parallel_degree", "2"]),
+        "MoE Muon EP 2 x FSDP 2": ([*_MOE, *_MUON], [batch, "2", "--parallelism.expert_parallel_degree", "2"]),
+        "Float8 FSDP 4": ([*_DENSE, *_F8], [batch, "2"]),
+        "Float8 FSDP 4, float8 all-gathers": ([*_DENSE, *_F8], [batch, "2", "--quantize.linear.float8."
+                                                                       "enable_fsdp_float8_all_gather"]),
+        "Ulysses CP 2 x FSDP 2, documents": ([*_DENSE, *packed], [batch, "4", *_ULYSSES]),
+        "MoE Ulysses CP 2 x EP 2, documents": ([*_MOE, *packed], [batch, "4", *_ULYSSES,
+                                                                  "--parallelism.expert_parallel_degree", "2"]),
+    }
+    results = dict(zip(cases, run_cases(4, tmp_path, [[*m, *layout] for m, layout in cases.values()], STEPS),
+                       strict=True))
+    high = run_grads([*_DENSE, batch, "8"], STEPS)["losses"]
+    for name, got in results.items():
+        try:
+            if name.startswith("Float8"):
+                assert got["losses"] != high and all(abs(a - b) < LOW_PRECISION_TOL
+                                                     for a, b in zip(got["losses"], high, strict=True))
+                if name != "Float8 FSDP 4":
+                    assert_matches(got, results["Float8 FSDP 4"], 1e-5, what=("grads", "params"))
+            else:
+                assert_matches(got, run_grads([*cases[name][0], batch, "8"], STEPS), 1e-5, what=("grads", "params"))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize(("argv", "world", "line"), [
     ([*_DENSE, "--parallelism.context_parallel_degree", "2"], 2,
-     "parallelism.context_parallel_degree: qwen3_5 tiny's Gated DeltaNet layers carry a recurrent state"),
-    ([*_MOE, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "parallelism.context_parallel_degree: qwen3_5_moe debugmodel_moe's Gated DeltaNet layers"),
+     "parallelism.context_parallel_method: allgather would leave each rank a part of the sequence that qwen3_5 "
+     "tiny's Gated DeltaNet recurrence runs along; use ulysses"),
+    ([*_MOE, "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses",
+      "--parallelism.tensor_parallel_degree", "2"], 4,
+     "parallelism.context_parallel_degree: ulysses splits qwen3_5_moe debugmodel_moe's 2 DeltaNet key heads over "
+     "TP 2 x CP 2 = 4 ranks"),
 ])
 def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
     from tessera.config import ConfigError
     from tessera.preflight import parse_args, validate
 
-    with pytest.raises(ConfigError, match="^" + line.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match="^" + re.escape(line)):
         validate(parse_args(argv), world)
     wide_attention = dataclasses.replace(DENSE.flavors["tiny"], n_heads=8, n_kv_heads=4)  # DeltaNet's 2 key heads
     with pytest.raises(ValueError, match=r"4 does not divide the DeltaNet key heads \(2\) of tiny"):

@@ -15,7 +15,8 @@ sends the outputs back to the ranks that own their tokens. Each rank sends (CP鈭
 output, whatever CP, where all-gather CP receives every other rank's keys and values. The all-to-all is torch's
 functional, differentiable one (its backward is the same exchange), which compiles and runs on gloo and NCCL.
 Key/value heads that do not divide by CP are repeated (each lcm(kv heads, CP) / kv heads times) so that every
-rank gets the key heads its query heads read.
+rank gets the key heads its query heads read. A linear-attention layer (Gated DeltaNet) takes the same head split
+around its per-head recurrence (UlyssesHeads): each rank runs it along whole sequences of its head group, exactly.
 """
 
 import math
@@ -194,11 +195,45 @@ class UlyssesAttention(nn.Module):
         return sinks[self.cp_rank * share:(self.cp_rank + 1) * share]
 
 
+class UlyssesHeads(nn.Module):
+    """Ulysses for a per-head sequence mixer without attention's q, k, v (a linear-attention layer's recurrence,
+    Gated DeltaNet's: tessera.models.common.deltanet.DeltaRule), which needs each head's whole sequence: one
+    all-to-all sends the group-g slice of every per-token input (split by head along its last dim) to rank g, which
+    runs the `rule` it replaces on whole sequences of its head group with those heads' parameters (rows of the
+    per-head parameters, split along their first dim) and the whole sequence's document numbers; a second sends the
+    outputs [batch, 2路CP路L, heads / CP, ...] back to the ranks that own their tokens."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, rule: nn.Module):
+        super().__init__()
+        self.group, self.cp_rank, self.cp, self.rule = group, cp_rank, cp, rule
+
+    def forward(self, inputs: list[torch.Tensor], heads: list[torch.Tensor], documents: torch.Tensor | None = None,
+                cache=None, **settings) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("Ulysses context parallel: decoding with a cache runs without context parallelism")
+        sizes = [x.shape[-1] // self.cp for x in inputs]
+        grouped = torch.cat([x.unflatten(-1, (self.cp, -1)) for x in inputs], dim=-1)  # [b, 2L, CP, group's]
+        parts = _exchange(grouped.movedim(2, 0), self.group)  # [CP (sender), b, 2L, group's]
+        whole = _in_order(parts.unbind(0), self.cp, dim=1).split(sizes, dim=-1)
+        mine = [p.chunk(self.cp)[self.cp_rank] for p in heads]
+        docs = None if documents is None else whole_documents(documents, self.group, self.cp)
+        out = self.rule(list(whole), mine, docs, **settings)  # [b, 2路CP路L, heads / CP, ...]
+        back = torch.stack([shard_sequence(out, rank, self.cp) for rank in range(self.cp)])  # [CP (receiver), ...]
+        return _exchange(back, self.group).movedim(0, 2).flatten(2, 3)  # [b, 2L, CP (head group) x heads / CP, ...]
+
+
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
     """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one of `method`
-    (parallelism.context_parallel_method)."""
+    (parallelism.context_parallel_method); a linear-attention mixer's per-head recurrence (`<attention>.rule`)
+    takes Ulysses only: all-gather CP would leave each rank a part of the sequence the recurrence runs along."""
     for block in blocks.values():
         module = getattr(block, attention)
+        if hasattr(module, "rule"):
+            if method != "ulysses":
+                raise ValueError(f"context_parallel_method = {method!r}: a linear-attention layer needs each head's "
+                                 f"whole sequence; use ulysses")
+            module.rule = UlyssesHeads(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), module.rule)
+            continue
         if method == "ulysses":
             module.sdpa = UlyssesAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), module.sdpa)
             continue

@@ -169,10 +169,55 @@ class DeltaHeads(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(v_heads))
 
 
+class DeltaRule(nn.Module):
+    """The mixer's per-head part, between its in-projections and its gated norm: the causal convolution, the
+    L2-normed q and k, beta and the decay, and the delta rule along the sequence. Its per-token inputs split by
+    head along their last dim and the per-head parameters it is handed along their first; it holds none of its
+    own, so context parallelism can swap it for one that runs a head group's whole sequences
+    (tessera.parallel.cp.UlyssesHeads)."""
+
+    def __init__(self, dk: int, dv: int):
+        super().__init__()
+        self.dk, self.dv = dk, dv
+
+    def forward(self, inputs: list[torch.Tensor], heads: list[torch.Tensor], documents: torch.Tensor | None = None,
+                cache: DeltaNetCache | None = None, chunk_size: int = 64, fla: bool = False) -> torch.Tensor:
+        """inputs: q, k, v before the convolution [batch, seq, heads x head dim], the decay's input a and beta's
+        logit b [batch, seq, value heads]; heads: the taps of q, k and v [channels, K], A_log and dt_bias [value
+        heads]. -> [batch, seq, value heads, dv]."""
+        q, k, v, a, b = inputs
+        *taps, a_log, dt_bias = heads
+        seq = q.shape[1]
+        qkv = torch.cat([q, k, v], dim=-1)
+        conv = causal_conv(qkv, torch.cat(taps), documents, cache.conv if cache is not None else None)
+        if cache is not None:
+            past = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=1)
+            cache.conv.copy_(past[:, past.shape[1] - cache.conv.shape[1]:])
+        q, k, v = conv.split([len(t) for t in taps], dim=-1)
+        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
+        v = v.unflatten(-1, (-1, self.dv))
+        groups = v.shape[2] // q.shape[2]
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        beta = b.float().sigmoid()
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        state = cache.state if cache is not None else None
+        if fla:
+            out, final = _fla_gated_delta_rule(q, k, v.float(), g, beta, state, documents)
+        elif cache is not None and seq < chunk_size:
+            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, documents)
+        else:
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, state, documents)
+        if cache is not None:
+            cache.state.copy_(final)
+            cache.length += seq
+        return out
+
+
 class GatedDeltaNet(nn.Module):
-    """The mixer: wq/wk/wv (then the causal conv), wz (the output gate), wb (beta), wa (the decay's input),
-    `norm` (RMSNorm over each head's value dim, weight 1-centred as the gate's) and wo. Value heads are a
-    multiple of key heads; each q/k head serves v_heads / k_heads consecutive value heads."""
+    """The mixer: wq/wk/wv (then, in `rule`, the causal conv and the delta rule), wz (the output gate), wb (beta),
+    wa (the decay's input), `norm` (RMSNorm over each head's value dim, weight 1-centred as the gate's) and wo.
+    Value heads are a multiple of key heads; each q/k head serves v_heads / k_heads consecutive value heads."""
 
     chunk_size = 64  # the chunked form's block of tokens (the family's option sets it)
     kernel = "auto"  # auto: fla on CUDA when installed, else torch; torch; fla
@@ -187,6 +232,7 @@ class GatedDeltaNet(nn.Module):
         self.wb = nn.Linear(dim, v_heads, bias=False)
         self.wa = nn.Linear(dim, v_heads, bias=False)
         self.heads = DeltaHeads(k_heads * dk, v_heads * dv, v_heads, conv_kernel)
+        self.rule = DeltaRule(dk, dv)
         self.norm = nn.RMSNorm(dv, eps=eps)
         self.wo = nn.Linear(v_heads * dv, dim, bias=False)
 
@@ -197,32 +243,10 @@ class GatedDeltaNet(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """x [batch, seq, dim]; `rope` is not used (the signature is attention's); `cache`: the state after the
         earlier positions, updated; `documents` [batch, seq]: the state resets where the document changes."""
-        bsz, seq, _ = x.shape
         h = self.heads
-        taps = [_local(t) for t in (h.conv_q, h.conv_k, h.conv_v)]
-        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
-        conv = causal_conv(qkv, torch.cat(taps), documents, cache.conv if cache is not None else None)
-        if cache is not None:
-            past = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=1)
-            cache.conv.copy_(past[:, past.shape[1] - cache.conv.shape[1]:])
-        q, k, v = conv.split([len(taps[0]), len(taps[1]), len(taps[2])], dim=-1)
-        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
-        v = v.unflatten(-1, (-1, self.dv))
-        groups = v.shape[2] // q.shape[2]
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-        beta = self.wb(x).float().sigmoid()
-        g = -_local(h.A_log).float().exp() * F.softplus(self.wa(x).float() + _local(h.dt_bias).float())
-        state = cache.state if cache is not None else None
-        if self.uses_fla(x.device):
-            out, final = _fla_gated_delta_rule(q, k, v.float(), g, beta, state, documents)
-        elif cache is not None and seq < self.chunk_size:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, documents)
-        else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, state, documents)
-        if cache is not None:
-            cache.state.copy_(final)
-            cache.length += seq
+        heads = [_local(t) for t in (h.conv_q, h.conv_k, h.conv_v, h.A_log, h.dt_bias)]
+        inputs = [self.wq(x), self.wk(x), self.wv(x), self.wa(x), self.wb(x)]
+        out = self.rule(inputs, heads, documents, cache, chunk_size=self.chunk_size, fla=self.uses_fla(x.device))
         z = self.wz(x).unflatten(-1, (-1, self.dv))
         out = self.norm(out.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
         return self.wo(out.flatten(2))

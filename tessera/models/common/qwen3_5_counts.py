@@ -41,13 +41,10 @@ def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Count
 
 
 def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
-    """The shared decoder's needs, and under TP DeltaNet's key and value heads split too."""
+    """The shared decoder's needs, and under TP DeltaNet's key and value heads split too. Context parallelism: its
+    method decides (tessera.models.common.qwen3_5_options.check)."""
     check_decoder_layout(args, tp, 1, pp, label)
     for what, size in (("DeltaNet key heads", args.linear_k_heads), ("DeltaNet value heads", args.linear_v_heads)):
         if tp > 1 and size % tp:
             raise ValueError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {what} ({size}) of "
                              f"{label}; pick a divisor")
-    if cp > 1:
-        raise ValueError(f"parallelism.context_parallel_degree: {label}'s Gated DeltaNet layers carry a recurrent "
-                         f"state along the whole sequence, which context parallelism would split; use TP (it "
-                         f"splits DeltaNet's heads) and a shorter training.seq_len per rank instead")

@@ -1,8 +1,9 @@
 """Qwen 3.5's parallelism plan (dense and MoE): the shared decoder's. Under TP a full-attention block is Qwen 3's
 (column-wise q with its gate, k, v, row-wise o, per-head q/k norms) and a DeltaNet block splits its heads the same
 way: its in-projections column-wise, its per-head parameters (convolution taps, decay) by head, its gated norm (over
-each head's values) like the q/k norms, its out-projection row-wise. Context parallelism is refused before launch
-(check_hybrid_layout): the recurrent state runs along the whole sequence."""
+each head's values) like the q/k norms, its out-projection row-wise. Context parallelism: Ulysses only
+(tessera.parallel.cp.UlyssesHeads splits DeltaNet's heads over CP as attention's; all-gather CP is refused before
+launch by the family's check, tessera.models.common.qwen3_5_options.check)."""
 
 from torch.distributed.tensor.parallel import SequenceParallel
 

@@ -17,11 +17,10 @@ def counts(args, seq_len: int) -> Counts:
 
 
 def check(cfg, args, dims) -> None:
-
     check_options(cfg, args, dims, "qwen3_5_moe")
 
 
 FAMILY = Family(name="qwen3_5_moe", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_hybrid_layout, embedding="tok_embeddings.weight",
-                high_precision=("output", "router"), torch_side="tessera.models.qwen3_5_moe.spec:SPEC",
+                high_precision=("output", "router", "shared.gate"), torch_side="tessera.models.qwen3_5_moe.spec:SPEC",
                 hf_model_type=hf.MODEL_TYPE, options=Qwen35Options, check=check, param_role=param_role)
