@@ -47,6 +47,7 @@ def schema() -> type:
     return _schema(models.FAMILIES)
 
 
+# One class per set of families (pickle finds it by name). Memoized safely: a pure function of the family names.
 @functools.cache
 def _schema(names: tuple[str, ...]) -> type:
     return mount({name: family(name).options for name in names if family(name).options is not None}, names,
