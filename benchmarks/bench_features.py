@@ -23,7 +23,8 @@ from common import (  # noqa: E402, I001
     write_json,
 )
 from tessera.memory import LiveBytes  # noqa: E402
-from tessera.train import forward_backward, train_step  # noqa: E402
+from tessera.step import forward_backward  # noqa: E402
+from tessera.train import train_step  # noqa: E402
 
 
 def compare(a, variants: dict[str, list[str]], seq_len: int, batch: int, rounds: int, warmup: int, steps: int):
@@ -42,11 +43,11 @@ def activation_bytes(tr) -> int:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        forward_backward(tr, inputs, labels)
+        forward_backward(tr.step_parts, inputs, labels)
         peak = torch.cuda.max_memory_allocated() - base
     else:
         with LiveBytes() as meter:
-            forward_backward(tr, inputs, labels)
+            forward_backward(tr.step_parts, inputs, labels)
         peak = meter.peak
     tr.optimizer.zero_grad()
     return peak

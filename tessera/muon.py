@@ -59,7 +59,7 @@ def orthogonalize_stack(update: torch.Tensor, cfg: "MuonSettings") -> torch.Tens
                          cfg.ns_dtype).view(update.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MuonSettings:
     momentum: float = 0.95
     nesterov: bool = True
@@ -72,8 +72,9 @@ class MuonSettings:
 def muon_settings(cfg) -> MuonSettings:
     """[optimizer]'s muon_* options."""
     a, b, c = (float(x) for x in cfg.muon_ns_coefficients.split(","))
-    return MuonSettings(cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, (a, b, c), cfg.muon_update_scale,
-                        getattr(torch, cfg.muon_ns_dtype))
+    return MuonSettings(momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                        ns_coefficients=(a, b, c), update_scale=cfg.muon_update_scale,
+                        ns_dtype=getattr(torch, cfg.muon_ns_dtype))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ AC_LEVEL = {"none": 0, "op": 1, "full": 2}  # higher: less memory
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Candidate:
     tp: int
     pp: int
@@ -134,7 +134,8 @@ def _batches(tp: int, pp: int, cp: int, ep: int, r: int, shard: int, global_batc
             accumulation = accumulation_steps(global_batch or -1, batch, shard * r)
             reduces = ("step", "microbatch") if pp > 1 and shard * cp > 1 and schedule not in ZERO_BUBBLE \
                 else ("step",)
-            out += [Candidate(tp, pp, cp, ep, r, shard, schedule, ac, batch, accumulation, reduce, method)
+            out += [Candidate(tp=tp, pp=pp, cp=cp, ep=ep, replicate=r, shard=shard, schedule=schedule, ac=ac,
+                              local_batch=batch, accumulation=accumulation, grad_reduce=reduce, cp_method=method)
                     for reduce in reduces for ac in AC]
     return out
 

@@ -47,7 +47,7 @@ def schema() -> type:
     return _schema(models.FAMILIES)
 
 
-# Memoized safely: keyed by the registered families' names, and the schema is a function of them alone.
+# One class per set of families (pickle finds it by name). Memoized safely: a pure function of the family names.
 @functools.cache
 def _schema(names: tuple[str, ...]) -> type:
     return mount({name: family(name).options for name in names if family(name).options is not None}, names,

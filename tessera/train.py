@@ -18,10 +18,10 @@ from tessera.experts import reset_statistics
 from tessera.memory import live_memory, live_memory_metrics
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
-from tessera.parallel.tp import local, loss_context
 from tessera.preflight import help_text, parse_args, validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
+from tessera.step import forward_backward
 from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
 from tessera.trainer import Trainer, build_trainer, micro_batches, run_view
 
@@ -52,34 +52,6 @@ def dp_cp_sum(value: torch.Tensor, world: World) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, group=world.flat["dp_cp"].get_group())
     return value
-
-
-def forward_backward(tr: Trainer, inputs: dict, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
-    """Loss of one micro-batch times tr.loss_scale (the auxiliary loss divided by grad_accum when training), with
-    its backward when training; `inputs`: the model's by keyword. Under pipelining the schedule runs both (the
-    first stage takes the tokens, every stage the rest); only the last stage sees the loss (others return 0)."""
-    pipe = tr.pipeline
-    if tr.labels_in_forward:
-        inputs = {**inputs, "labels": labels}
-    with loss_context(tr.loss_parallel):
-        if pipe is None:
-            with tr.autocast:
-                loss = tr.loss_fn(tr.model(**inputs), labels) * tr.loss_scale.value
-                if tr.extra_loss is not None:
-                    loss = loss + tr.extra_loss(tr.model) / (tr.grad_accum if train else 1)
-            if train:
-                loss.backward()
-            return local(loss.detach())
-        losses = [] if pipe.last else None
-        run = pipe.schedule.step if train else pipe.schedule.eval
-        rest = {k: v for k, v in inputs.items() if k != "tokens"}
-        # Outputs not kept: the last stage would hold every micro-batch's logits to the end of the step.
-        with tr.autocast:  # bf16 without FSDP, on every stage as without PP
-            run(*([inputs["tokens"]] if pipe.first else []), target=labels if pipe.last else None, losses=losses,
-                return_outputs=False, **rest)
-    if not losses:
-        return torch.zeros((), device=tr.world.device)
-    return local(torch.stack([local(x) for x in losses]).sum().detach())
 
 
 def step_batches(tr: Trainer, times: list[float]):
@@ -124,7 +96,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
         batches = list(batches)
     trained = set_loss_scale(tr, [labels for _, labels in batches] if tr.token_loss else None)
     for inputs, labels in batches:
-        loss_total += forward_backward(tr, inputs, labels)
+        loss_total += forward_backward(tr.step_parts, inputs, labels)
     data_s = sum(times)
     loss_total = pp_share(loss_total, tr)
     if tr.replicas is not None:
@@ -179,7 +151,7 @@ def validate_loss(tr: Trainer) -> float:
     tr.loss_scale.value = 1.0 if tr.token_loss else 1.0 / micro_batches(tr.cfg, tr.world, 1)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = tr.batch_fn(tr.val_loader)
-        total += forward_backward(tr, inputs, labels, train=False)
+        total += forward_backward(tr.step_parts, inputs, labels, train=False)
         trained += trained_tokens(labels) if tr.token_loss else 0
     tr.model.train()
     total = pp_share(total, tr)

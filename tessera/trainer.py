@@ -37,35 +37,17 @@ from tessera.parallel.quantize import post_optimizer_hook
 from tessera.param_groups import param_role
 from tessera.preflight import check_vocab
 from tessera.run_plan import ResolvedRun, forward_passes
+from tessera.step import LossScale, Pipeline, StepParts
 
 log = logging.getLogger("tessera")
-
-
-@dataclass
-class Pipeline:
-    schedule: object
-    first: bool  # this rank runs the first stage (feeds inputs)
-    last: bool  # this rank runs the last stage (computes the loss)
-    group: torch.distributed.ProcessGroup
-    parts: list[nn.Module]  # this rank's stages' modules
-
-
-@dataclass
-class LossScale:
-    """What each micro-batch's loss is multiplied by, set before the step (or evaluation) that uses it: for the
-    token cross-entropy, a sum over trained tokens, the ranks that see different data over the step's trained
-    tokens in the whole global batch (gradients are averaged over those ranks: the step's loss is the mean over its
-    trained tokens); for a family's own (mean) loss, 1 / its micro-batches per step."""
-    value: torch.Tensor | float = 1.0
 
 
 @dataclass
 class Trainer:
     cfg: JobConfig
     world: World
-    model: nn.Module  # under pipelining: a view over this rank's stages with the whole model's names
+    step_parts: StepParts  # what a step runs: model (parts), loss, autocast, accumulation
     model_args: object
-    pipeline: Pipeline | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: object
@@ -73,29 +55,20 @@ class Trainer:
     metrics: MetricsLogger
     checkpointer: Checkpointer
     tokenizer: object
-    grad_accum: int
     flops_per_token: float
     peak_flops: float
-    autocast: contextlib.AbstractContextManager
-    loss_parallel: bool
-    loss_fn: Callable  # the family's loss (default loss_fn below), compiled when compile.components holds "loss";
-    # model_loss when the model computes it (labels_in_forward)
-    loss_scale: LossScale  # what loss_fn's value is multiplied by (the pipeline schedule's loss reads it too)
     token_loss: bool  # loss_fn sums the token cross-entropy over trained tokens (else: the family's own mean)
     batch_fn: Callable  # (loader) -> this rank's (model inputs by keyword, labels) on its device: the family's
     # hook, or token_batch, given the run's BatchView
-    extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
     after_optimizer_step: Callable[[], None] | None  # e.g. float8 scale precompute for FSDP
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
-    side_losses: list[SideLoss]  # losses the model computes itself (multi-token prediction), for metrics
     progress: Progress  # step, tokens_seen, skipped_steps: what the checkpointer saves and restores of the loop
     evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
-    labels_in_forward: bool = False  # the model takes the labels and returns its loss (training.loss_chunks)
 
     # The counters, by their names in the loop.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
@@ -103,6 +76,13 @@ class Trainer:
                            lambda self, v: setattr(self.progress, "tokens_seen", v))
     skipped_steps = property(lambda self: self.progress.skipped_steps,
                              lambda self, v: setattr(self.progress, "skipped_steps", v))
+    # What the step runs, by the names the loop and the run's tools read.
+    model = property(lambda self: self.step_parts.model)
+    pipeline = property(lambda self: self.step_parts.pipeline)
+    grad_accum = property(lambda self: self.step_parts.grad_accum)
+    autocast = property(lambda self: self.step_parts.autocast)
+    loss_scale = property(lambda self: self.step_parts.loss_scale)
+    side_losses = property(lambda self: self.step_parts.side_losses)
 
 
 def run_view(tr: Trainer) -> RunView:
@@ -168,12 +148,29 @@ def step_loss(cfg: JobConfig, world: World, spec) -> Callable:
     return model_loss if labels_in_forward(cfg, spec) else training_loss(cfg, world, spec.loss or loss_fn)
 
 
-def set_token_loss(cfg: JobConfig, world: World, model: nn.Module) -> None:
-    """The chunk count and the summed cross-entropy (compiled with the loss) of the decoder(s) in `model`."""
+def set_token_loss(cfg: JobConfig, world: World, *parts: nn.Module) -> None:
+    """The chunk count and the summed cross-entropy (compiled with the loss) of the decoder(s) in `parts`."""
     chunk_loss = training_loss(cfg, world, summed_cross_entropy)
-    for module in model.modules():
+    for module in (m for part in parts for m in part.modules()):
         if isinstance(module, Decoder):
             module.loss_chunks, module.chunk_loss = cfg.training.loss_chunks, chunk_loss
+
+
+def build_step(cfg: JobConfig, world: World, spec, model: nn.Module, *, pipeline: Pipeline | None, loss: Callable,
+               scale: LossScale, grad_accum: int) -> StepParts:
+    """What a step runs (the trainer's, and tessera.estimate's trace of it), the built model configured for it:
+    its decoders' loss chunks, its MoE layers' settings and loss share, its side losses' weights. `loss` times
+    `scale`: what the pipeline schedule's last stage applies too."""
+    set_token_loss(cfg, world, *(pipeline.parts if pipeline is not None else [model]))
+    experts.configure(experts.moe_layers(model), cfg.moe, micro_batches(cfg, world, grad_accum))
+    # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
+    mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
+    return StepParts(model=model, pipeline=pipeline, loss_fn=loss, loss_scale=scale,
+                     labels_in_forward=labels_in_forward(cfg, spec), loss_parallel=uses_loss_parallel(cfg, world),
+                     extra_loss=spec.extra_loss,
+                     side_losses=tuple(build_side_losses(cfg, world, model, grad_accum)),
+                     autocast=torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed
+                     else contextlib.nullcontext(), grad_accum=grad_accum, device=world.device)
 
 
 def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
@@ -185,7 +182,6 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
     if spec.extra_loss is not None and world.dims.pp > 1:
         raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.name}'s auxiliary loss is not carried "
                           f"through pipeline stages yet; use FSDP/TP/CP")
-    set_token_loss(cfg, world, model)
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)
@@ -212,8 +208,7 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
                    grad_accum: int) -> experts.Balancer | None:
     if getattr(args, "moe", None) is None:
         return None
-    layers, share = experts.moe_layers(model), micro_batches(cfg, world, grad_accum)
-    experts.configure(layers, cfg.moe, share)
+    layers, share = experts.moe_layers(model), micro_batches(cfg, world, grad_accum)  # configured by build_step
     for part in pipeline.parts if pipeline is not None else ():
         experts.forget_shape_inference(part)
     return experts.Balancer(layers, cfg.moe.load_balance_rate,
@@ -308,9 +303,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
              f"vocab {args.vocab_size}; {world.size} rank(s) on "
              f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
-    # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
-    mixed = world.dp_mesh() is None and mixed_precision(t, world.device)[0] == torch.bfloat16
-    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+    step = build_step(cfg, world, spec, model, pipeline=pipeline, loss=loss, scale=scale, grad_accum=grad_accum)
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
                   bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model),
@@ -325,19 +318,12 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     if cfg.fault_tolerance.enable:
         from tessera.ft.replicas import ReplicaGroup
         replicas = ReplicaGroup(cfg, world, saved, fetch, balancer=balancer, model_args=args)
-    tr = Trainer(cfg=cfg, world=world, model=model, model_args=args, pipeline=pipeline, optimizer=optimizer,
+    tr = Trainer(cfg=cfg, world=world, step_parts=step, model_args=args, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
-                 metrics=build_metrics(cfg, world, dict(fam.metrics)),
-                 checkpointer=checkpointer, tokenizer=tokenizer,
-                 grad_accum=grad_accum,
-                 flops_per_token=counts.flops_per_token, peak_flops=peak, autocast=autocast,
-                 loss_parallel=uses_loss_parallel(cfg, world), loss_fn=loss, loss_scale=scale,
-                 token_loss=spec.loss is None,
+                 metrics=build_metrics(cfg, world, dict(fam.metrics)), checkpointer=checkpointer, tokenizer=tokenizer,
+                 flops_per_token=counts.flops_per_token, peak_flops=peak, token_loss=spec.loss is None,
                  batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
-                 extra_loss=spec.extra_loss,
-                 after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
-                 balancer=balancer,
-                 side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,
-                 evaluate=spec.evaluate, labels_in_forward=labels_in_forward(cfg, spec),
+                 after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
+                 progress=progress, evaluate=spec.evaluate,
                  live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas)
     return tr

@@ -225,7 +225,8 @@ def test_planned_floor_rules_out_before_ranking():
     from tessera.plan import Candidate, configure
 
     base = parse_args(["--model.flavor", "405B", "--training.seq_len", "8192"])
-    small = configure(base, Candidate(8, 1, 1, 1, 1, 8, "1F1B", "full", 1, 1))  # FSDP 8 x TP 8 on 64 GPUs
+    small = configure(base, Candidate(tp=8, pp=1, cp=1, ep=1, replicate=1, shard=8, schedule="1F1B", ac="full",
+                                      local_batch=1, accumulation=1))  # FSDP 8 x TP 8 on 64 GPUs
     assert floor(small, validate(small, 64).dims, *_sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
 
 
@@ -233,15 +234,14 @@ def test_planned_floor_rules_out_before_ranking():
     (["--model.name", "llama4", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2"], 4),
     (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *PP, "--activation_checkpoint.mode", "full"], 4),
     ([*DENSE, "--training.global_batch_size", "16"], 2)], ids=["llama4 EP 2", "deepseek PP 2 full AC", "accumulation"])
-def test_a_few_blocks_scaled_give_the_exact_trace(flags, ranks, monkeypatch, tmp_path):
+def test_a_few_blocks_scaled_give_the_exact_trace(flags, ranks, tmp_path):
     """Sampling (one or two blocks of each kind, scaled by phase) against tracing every block, on models whose blocks
     are of several kinds (dense first, MoE, NoPE / chunked attention), with and without pipelining."""
-    from tessera.estimate import core
+    from tessera.estimate.core import Sampling
 
     cfg = parse_args(merge(BASE, ["--job.dump_folder", str(tmp_path)], flags))
-    monkeypatch.setattr(core, "SAMPLE_ABOVE", 2)
-    monkeypatch.setattr(core, "SAMPLE_ONLY_IF_CHEAPER", False)
-    exact, scaled = estimate(cfg, ranks, "cuda", exact=True), estimate(cfg, ranks, "cuda")
+    exact = estimate(cfg, ranks, "cuda", sampling=Sampling(exact=True))
+    scaled = estimate(cfg, ranks, "cuda", sampling=Sampling(above=2, only_if_cheaper=False))
     for a, b in zip(exact.kinds, scaled.kinds, strict=True):
         assert abs(b.peak / a.peak - 1) < 0.01 and b.params == a.params and b.act == a.act, (a, b)
 

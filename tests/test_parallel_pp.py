@@ -118,8 +118,8 @@ def test_a_model_with_two_block_stacks_is_cut_across_both():
     with torch.device("meta"):
         model = TwoStacks()
     stacks = ("doubles", "singles")
-    first = cut(model, [0, 1, 2], ("embed",), None, ("embed",), ("head",), stacks)
-    last = cut(model, [3, 4], None, ("head",), ("embed",), ("head",), stacks)
+    first = cut(model, [0, 1, 2], blocks=stacks, drop=("head",))
+    last = cut(model, [3, 4], blocks=stacks, drop=("embed",))
     assert (list(first.doubles), list(first.singles), first.head) == (["0", "1"], ["0"], None)
     assert (list(last.doubles), list(last.singles), last.embed) == ([], ["1", "2"], None)
     view = parts_view([first, last], ("embed", "head"), stacks)

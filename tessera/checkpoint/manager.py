@@ -59,11 +59,14 @@ __all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "Progress", "Saved", "
            "write_marker"]
 
 
+ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's note, on each call without a group
+
+
 @contextlib.contextmanager
 def _one_process_quiet():
     """DCP in one process (no process group) says so on every save and load; that is the intended use here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=ONE_PROCESS)
         yield
 
 
@@ -198,6 +201,8 @@ class Checkpointer:
         self.distributed = dist.is_initialized()
         # Async saves run collectives from a background thread: give them their own group.
         self.pg = dist.new_group(backend="gloo") if self.distributed and self.c.async_mode != "disabled" else None
+        if not self.distributed and self.c.async_mode != "disabled":  # DCP's upload thread says it outside any call
+            warnings.filterwarnings("ignore", message=ONE_PROCESS, module="torch.distributed.checkpoint")
         self.pending: Future | None = None
         self.settled = threading.Event()  # the save in flight has ended (set by its callback)
         self.failure: str | None = None  # a save that failed, in one line (save_failure)
@@ -339,7 +344,7 @@ class Checkpointer:
         pinned = self.c.async_mode == "async_with_pinned_mem"
         stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False) if pinned
                                else StagingOptions(False, False, False, False))
-        with _one_process_quiet():  # (its upload thread's, in one process, is past this scope)
+        with _one_process_quiet():
             resp = dcp.async_save(state, storage_writer=writer, process_group=self.pg, async_stager=stager)
         upload = resp if isinstance(resp, Future) else resp.upload_completion
         upload.add_done_callback(lambda _: stager.close())

@@ -9,7 +9,7 @@ import sys
 
 from tessera.config import ConfigError
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
-from tessera.estimate.core import Estimate, estimate
+from tessera.estimate.core import Estimate, Sampling, estimate
 from tessera.preflight import parse_args
 
 FLAGS = {
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(rest)
         n = world_size(cfg, values["world_size"])
         with quiet():
-            e = estimate(cfg, n, values["device"], cluster(values), exact=values["exact"])
+            e = estimate(cfg, n, values["device"], cluster(values), sampling=Sampling(exact=values["exact"]))
     except ConfigError as err:
         print(f"tessera: {err}", file=sys.stderr)
         return 2

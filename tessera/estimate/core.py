@@ -25,7 +25,7 @@ from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RankKind:
     label: str
     count: int  # ranks of this kind
@@ -38,7 +38,7 @@ class RankKind:
     peak: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Estimate:
     model: str
     flavor: str
@@ -62,6 +62,15 @@ class Estimate:
         out = dataclasses.asdict(self)
         out["peak"] = self.peak
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How many of a module's blocks are traced (see `sampled`)."""
+    exact: bool = False  # every block
+    above: int = 8  # a module of more blocks is traced with one or two blocks of each kind, scaled
+    only_if_cheaper: bool = True  # ...when those traces hold fewer blocks than the module (tests compare the two on
+    # small models)
 
 
 def layout_name(dims, cp_method: str = "allgather") -> str:
@@ -100,9 +109,9 @@ def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
 
 
 def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Cluster | None = None,
-             exact: bool = False) -> Estimate:
-    """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `exact`:
-    trace every block, not one or two of each kind (see `sampled`)."""
+             sampling: Sampling = Sampling()) -> Estimate:
+    """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `sampling`:
+    which blocks are traced (Sampling(exact=True): every block, not one or two of each kind)."""
     groups = cfg.fault_tolerance
     cfg, has_tokenizer, notes = prepare(cfg, device)
     run = validate(cfg, world_size)
@@ -118,8 +127,8 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     t, grad_accum = cfg.training, run.batch.accumulation
     bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
     with trace.gpu_kernels(device == "cuda"):
-        kinds = _whole(cfg, dims, args, spec, grad_accum, bos, exact) if dims.pp == 1 else \
-            _pipelined(cfg, dims, args, spec, grad_accum, exact)
+        kinds = _whole(cfg, dims, args, spec, grad_accum, bos, sampling) if dims.pp == 1 else \
+            _pipelined(cfg, dims, args, spec, grad_accum, sampling)
     if t.enable_cpu_offload:
         for k in kinds:
             k.peak -= k.params + k.optimizer
@@ -129,8 +138,9 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     name = layout_name(dims, cfg.parallelism.context_parallel_method)
     if line := replica_sync(groups, counts.params, dims.world_size // dims.dp_replicate, time.seconds, cluster):
         notes.append(line)
-    return Estimate(cfg.model.name, cfg.model.flavor, world_size, name, device, t.seq_len, t.local_batch_size,
-                    grad_accum, counts.params, kinds, time, cluster, notes)
+    return Estimate(model=cfg.model.name, flavor=cfg.model.flavor, world_size=world_size, layout=name, device=device,
+                    seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=grad_accum,
+                    params=counts.params, kinds=kinds, time=time, cluster=cluster, notes=notes)
 
 
 def _build(spec, args) -> torch.nn.Module:
@@ -154,15 +164,15 @@ def _kinds(module: torch.nn.Module, stacks: tuple[str, ...]) -> list[int]:
     return [_block_kind(block) for stack in stacks for block in getattr(module, stack).values()]
 
 
-def sampled(kinds: list[int], run, exact: bool) -> trace.StageTrace:
+def sampled(kinds: list[int], run, sampling: Sampling) -> trace.StageTrace:
     """`run(positions)` traces the module holding only the blocks at those positions. A module of more than
-    SAMPLE_ABOVE blocks is traced with one block of each kind (two when there is one kind: a first and a last), then
+    `sampling.above` blocks is traced with one block of each kind (two when there is one kind: a first and a last), then
     with one more block of each kind in turn, and its bytes grow linearly from there with each kind's count: each
     block adds its parameters, gradients and saved activations, and the largest moment of each phase of a step or a
     backward (tessera.estimate.trace._phase_marks) moves with them. Collective buffers and pipeline boundaries are
     those of one block. On every shipped config this gave the whole trace's bytes to 0.4% (checked by hand);
     tests/test_estimate.py compares the two on debug models with blocks of several kinds."""
-    if exact or len(kinds) <= SAMPLE_ABOVE:
+    if sampling.exact or len(kinds) <= sampling.above:
         return run(list(range(len(kinds))))
     by_kind = {}
     for pos, kind in enumerate(kinds):
@@ -170,7 +180,7 @@ def sampled(kinds: list[int], run, exact: bool) -> trace.StageTrace:
     used = {kind: 2 if len(by_kind) == 1 else 1 for kind in by_kind}  # a first and a last block, not one
     base_ids = sorted(pos for kind, ids in by_kind.items() for pos in ids[:used[kind]])
     runs = 1 + sum(len(ids) > used[kind] for kind, ids in by_kind.items())
-    if SAMPLE_ONLY_IF_CHEAPER and runs * len(base_ids) + runs - 1 >= len(kinds):  # as many blocks as it holds
+    if sampling.only_if_cheaper and runs * len(base_ids) + runs - 1 >= len(kinds):  # as many blocks as it holds
         return run(list(range(len(kinds))))
     base = run(base_ids)
     total = dataclasses.replace(base)
@@ -194,28 +204,26 @@ def sampled(kinds: list[int], run, exact: bool) -> trace.StageTrace:
     return total
 
 
-SAMPLE_ABOVE = 8
-SAMPLE_ONLY_IF_CHEAPER = True  # tests turn it off to compare sampling with the whole trace on small models
 _LINEAR = ("params", "optimizer", "grads", "act", "end")
 
 
-def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, exact: bool) -> list[RankKind]:
+def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, sampling: Sampling) -> list[RankKind]:
     model = _build(spec, args)
 
     def run(positions: list[int]) -> trace.StageTrace:
         with trace.fake_world(dims, 0) as world:
-            part = pp.cut(model, positions, (), (), (), (), spec.blocks)
+            part = pp.cut(model, positions, blocks=spec.blocks)
             part = spec.parallelize(part, world, cfg)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
             trace.materialize(part, world, fake)
             return trace.trace_model(cfg, world, part, spec, args, grad_accum, bos, fake)
 
-    tr = sampled(_kinds(model, spec.blocks), run, exact)
-    return [RankKind("every rank", dims.world_size, tr.params, tr.grads, tr.optimizer, tr.act, 1, tr.comm,
-                     tr.optimizer + tr.peak)]
+    tr = sampled(_kinds(model, spec.blocks), run, sampling)
+    return [RankKind(label="every rank", count=dims.world_size, params=tr.params, grads=tr.grads,
+                     optimizer=tr.optimizer, act=tr.act, in_flight=1, comm=tr.comm, peak=tr.optimizer + tr.peak)]
 
 
-def _pipelined(cfg, dims, args, spec, grad_accum: int, exact: bool) -> list[RankKind]:
+def _pipelined(cfg, dims, args, spec, grad_accum: int, sampling: Sampling) -> list[RankKind]:
     p = cfg.parallelism
     model = _build(spec, args)
     kinds = _kinds(model, spec.blocks)
@@ -235,7 +243,8 @@ def _pipelined(cfg, dims, args, spec, grad_accum: int, exact: bool) -> list[Rank
         ids = pp_layout.rank_stages(r, dims.pp, n_stages, p.pipeline_parallel_schedule)
         keys = [(i == 0, i == n_stages - 1, tuple(sorted(kinds[n] for n in layers[i]))) for i in ids]
         if orders is None or any(k not in traced for k in keys):
-            orders = _trace_rank(cfg, dims, args, spec, grad_accum, r * per_pp, keys, traced, n_micro, orders, exact)
+            orders = _trace_rank(cfg, dims, args, spec, grad_accum, r * per_pp, keys, traced, n_micro, orders,
+                                 sampling)
         stages = [traced[k] for k in keys]
         order = orders.get(r) or pipeline.single_order(p.pipeline_parallel_schedule, ids[0], n_stages, n_micro)
         costs = {i: pipeline.StageCost(grads=s.grads, act=s.act, input_grad=0 if k[0] else s.io,
@@ -245,14 +254,15 @@ def _pipelined(cfg, dims, args, spec, grad_accum: int, exact: bool) -> list[Rank
         buffers = sum(n_micro * s.io * ((not k[0]) + (not k[1])) for s, k in zip(stages, keys, strict=True))
         params, grads = sum(s.params for s in stages), sum(s.grads for s in stages)
         optimizer = sum(s.optimizer for s in stages)
-        out.append(RankKind(f"pp rank {r} (stage{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})", per_pp,
-                            params, grads, optimizer, sum(s.act for s in stages), in_flight,
-                            max(s.comm for s in stages) + buffers, params + optimizer + buffers + extra))
+        out.append(RankKind(label=f"pp rank {r} (stage{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})",
+                            count=per_pp, params=params, grads=grads, optimizer=optimizer,
+                            act=sum(s.act for s in stages), in_flight=in_flight,
+                            comm=max(s.comm for s in stages) + buffers, peak=params + optimizer + buffers + extra))
     return out[::-1]
 
 
 def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, traced: dict, n_micro: int,
-                orders: dict | None, exact: bool) -> dict:
+                orders: dict | None, sampling: Sampling) -> dict:
     """Trace the stages of `rank` not traced yet (into `traced`, by key); returns every rank's schedule order."""
     model = _build(spec, args)
     with trace.fake_world(dims, rank) as world:
@@ -268,11 +278,11 @@ def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, t
 
             def run(positions: list[int], part=part, i=i) -> trace.StageTrace:
                 fake = FakeTensorMode(allow_non_fake_inputs=True)
-                piece = pp.cut(part, positions, (), (), (), (), spec.blocks)
+                piece = pp.cut(part, positions, blocks=spec.blocks)
                 spec.parallelize(piece, world, cfg)
                 trace.materialize(piece, world, fake)
                 stage = pp.make_stage(piece, i, n_stages, world.device, pp_mesh, cfg)
                 return trace.trace_stage(cfg, world, stage, spec, args, grad_accum, fake)
 
-            traced[key] = sampled(_kinds(part, spec.blocks), run, exact)
+            traced[key] = sampled(_kinds(part, spec.blocks), run, sampling)
     return orders

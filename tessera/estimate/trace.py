@@ -5,7 +5,6 @@ run forward and backward while tessera.memory.LiveBytes counts every storage tha
 import contextlib
 import dataclasses
 import weakref
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -23,17 +22,8 @@ from tessera.models.common import attention
 from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
-from tessera.train import forward_backward
-from tessera.trainer import (
-    LossScale,
-    build_side_losses,
-    labels_in_forward,
-    micro_batches,
-    set_token_loss,
-    step_loss,
-    token_inputs,
-    uses_loss_parallel,
-)
+from tessera.step import LossScale, forward_backward
+from tessera.trainer import build_step, micro_batches, step_loss, token_inputs
 
 _SMALL = 1 << 16  # integer tensors up to this many elements carry values under EvenRouting
 _COLLECTIVES = ("c10d", "_c10d_functional", "fsdp")
@@ -247,26 +237,22 @@ def _batch(cfg, world: World, batch: int, vocab: int, bos: int | None) -> tuple[
 
 def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int, bos: int | None,
                 fake: FakeTensorMode) -> StageTrace:
-    """The whole model (no pipelining): the trainer's own forward_backward for the step's micro-batches."""
-    loss = step_loss(cfg, world, spec)
-    mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
-    tr = SimpleNamespace(pipeline=None, loss_parallel=uses_loss_parallel(cfg, world), model=model, loss_fn=loss,
-                         autocast=torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext(),
-                         extra_loss=spec.extra_loss, grad_accum=grad_accum, loss_scale=LossScale(1.0 / grad_accum),
-                         labels_in_forward=labels_in_forward(cfg, spec))
-    _configure(cfg, world, model, grad_accum)
+    """The whole model (no pipelining): the trainer's own step (build_step, forward_backward) for the step's
+    micro-batches."""
+    step = build_step(cfg, world, spec, model, pipeline=None, loss=step_loss(cfg, world, spec),
+                      scale=LossScale(1.0 / grad_accum), grad_accum=grad_accum)
     with counting(fake, model) as meter:
         meter.track(list(model.parameters()) + list(model.buffers()))
         base, forward_end, phases = meter.current, [], []
         hooks = [model.register_forward_hook(lambda *_: forward_end.append(meter.current)), *_phase_marks(
             [getattr(model, stack)[key] for stack in spec.blocks for key in getattr(model, stack)], meter, phases)]
         inputs, labels = _batch(cfg, world, cfg.training.local_batch_size, args.vocab_size, bos)
-        forward_backward(tr, inputs, labels)
+        forward_backward(step, inputs, labels)
         phases.append(meter.peak)
         grads = meter.current - base
         if grad_accum > 1:  # later micro-batches run with the gradients of the first alive
             meter.reset_peak()
-            forward_backward(tr, inputs, labels)
+            forward_backward(step, inputs, labels)
             phases.append(meter.peak)
         for hook in hooks:
             hook.remove()
@@ -303,24 +289,17 @@ def _phase_marks(blocks: list[nn.Module], meter: LiveBytes, phases: list[int]) -
 MIDDLE = 2  # and MIDDLE + 4 for a second micro-batch
 
 
-def _configure(cfg, world: World, model: nn.Module, grad_accum: int) -> None:
-    """What the trainer sets on a built model: MoE layers' grouped GEMMs, balancing loss and share; side losses."""
-    if experts.moe_layers(model):
-        experts.configure(experts.moe_layers(model), cfg.moe, micro_batches(cfg, world, grad_accum))
-    build_side_losses(cfg, world, model, grad_accum)
-    set_token_loss(cfg, world, model)
-
-
 def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: FakeTensorMode) -> StageTrace:
     """One pipeline stage (a torch PipelineStage over this rank's module), its micro-batches run the way the
     schedule runs them (FSDP without resharding or reducing between micro-batches, the gradients' reduction after
     the last): two forwards in flight, the second's backward (the step's first: no gradients yet), the first's
     backward (gradients there), then the reduction."""
     part, is_first, is_last = stage.submod, stage.is_first, stage.is_last
-    _configure(cfg, world, part, grad_accum)
+    # The stage's module configured as the trainer's; its schedule's forwards and backwards are run below.
+    step = build_step(cfg, world, spec, part, pipeline=None, loss=step_loss(cfg, world, spec), scale=LossScale(),
+                      grad_accum=grad_accum)
     p, t = cfg.parallelism, cfg.training
-    loss = step_loss(cfg, world, spec)
-    own_loss = is_last and labels_in_forward(cfg, spec)
+    loss, own_loss = step.loss_fn, is_last and step.labels_in_forward
     share = micro_batches(cfg, world, grad_accum)
     mb, seq = p.pipeline_parallel_microbatch_size, t.seq_len // world.dims.cp
     # Between stages: the residual stream, sequence-parallel under TP, in FSDP's compute dtype (else fp32).
@@ -344,7 +323,7 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
             x.grad = None  # the receive buffer's gradient: counted by the schedule's timeline instead
 
     phases: list[int] = []
-    with counting(fake, part) as meter, loss_context(uses_loss_parallel(cfg, world)):
+    with counting(fake, part) as meter, loss_context(step.loss_parallel):
         hooks = _phase_marks([getattr(part, stack)[key] for stack in spec.blocks for key in getattr(part, stack)],
                              meter, phases)
         meter.track(list(part.parameters()) + list(part.buffers()))

@@ -25,18 +25,16 @@ def _numbered(model: nn.Module, blocks: tuple[str, ...]) -> list[tuple[str, str,
     return out
 
 
-def cut(model: nn.Module, layer_ids: list[int], first: tuple[str, ...] | None, last: tuple[str, ...] | None,
-        drop_first: tuple[str, ...], drop_last: tuple[str, ...], blocks: tuple[str, ...] = ("layers",)) -> nn.Module:
+def cut(model: nn.Module, layer_ids: list[int], *, blocks: tuple[str, ...] = ("layers",),
+        drop: tuple[str, ...] = ()) -> nn.Module:
     """A copy of `model` (on meta, so cheap) holding only the blocks numbered `layer_ids` of its block stacks
-    (ModuleDicts keyed by int, in forward order), and the first/last-stage modules when it is the first/last
-    stage (`first`/`last` not None)."""
+    (ModuleDicts keyed by int, in forward order), without the modules named in `drop` (a middle stage drops the
+    first and the last stage's)."""
     stage = copy.deepcopy(model)
     keep = {(stack, key) for stack, key, n in _numbered(model, blocks) if n in layer_ids}
     for stack in blocks:
         setattr(stage, stack, nn.ModuleDict({k: v for k, v in getattr(stage, stack).items() if (stack, k) in keep}))
-    for name in drop_first if first is None else ():
-        setattr(stage, name, None)
-    for name in drop_last if last is None else ():
+    for name in drop:
         setattr(stage, name, None)
     return stage
 
@@ -56,8 +54,8 @@ def split(model: nn.Module, pp_mesh: DeviceMesh, cfg, first_modules: tuple[str, 
                                     p.pipeline_parallel_last_stage_less_layers)
     ids = pp_layout.rank_stages(pp_mesh.get_local_rank(), p.pipeline_parallel_degree, n_stages,
                                 p.pipeline_parallel_schedule)
-    parts = [cut(model, layout[i], first_modules if i == 0 else None, last_modules if i == n_stages - 1 else None,
-                 first_modules, last_modules, blocks) for i in ids]
+    parts = [cut(model, layout[i], blocks=blocks, drop=(() if i == 0 else first_modules)
+                 + (() if i == n_stages - 1 else last_modules)) for i in ids]
     return ids, parts, n_stages
 
 

@@ -1,0 +1,75 @@
+"""One micro-batch's forward and backward, the same code for a training step, an evaluation and tessera.estimate's
+trace: the parts it runs (StepParts, which tessera.trainer.build_step builds for both) and forward_backward."""
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.models.common.side_loss import SideLoss
+from tessera.parallel.tp import local, loss_context
+
+
+@dataclass
+class Pipeline:
+    schedule: object
+    first: bool  # this rank runs the first stage (feeds inputs)
+    last: bool  # this rank runs the last stage (computes the loss)
+    group: torch.distributed.ProcessGroup
+    parts: list[nn.Module]  # this rank's stages' modules
+
+
+@dataclass
+class LossScale:
+    """What each micro-batch's loss is multiplied by, set before the step (or evaluation) that uses it: for the
+    token cross-entropy, a sum over trained tokens, the ranks that see different data over the step's trained
+    tokens in the whole global batch (gradients are averaged over those ranks: the step's loss is the mean over its
+    trained tokens); for a family's own (mean) loss, 1 / its micro-batches per step."""
+    value: torch.Tensor | float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """What a step runs, fixed once the model is built."""
+    model: nn.Module  # under pipelining: a view over this rank's stages with the whole model's names
+    pipeline: Pipeline | None
+    loss_fn: Callable  # the family's loss (default: the summed token cross-entropy), compiled when
+    # compile.components holds "loss"; model_loss when the model computes it (labels_in_forward)
+    loss_scale: LossScale  # what loss_fn's value is multiplied by (the pipeline schedule's loss reads it too)
+    labels_in_forward: bool  # the model takes the labels and returns its loss (training.loss_chunks)
+    loss_parallel: bool  # the logits are vocab-sharded (TP): the loss is computed on the shards
+    extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
+    side_losses: tuple[SideLoss, ...]  # losses the model computes itself (multi-token prediction), for metrics
+    autocast: contextlib.AbstractContextManager  # bf16 compute without FSDP (which casts parameters itself)
+    grad_accum: int  # micro-batches per optimizer step
+    device: torch.device
+
+
+def forward_backward(step: StepParts, inputs: dict, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
+    """Loss of one micro-batch times step.loss_scale (the auxiliary loss divided by grad_accum when training), with
+    its backward when training; `inputs`: the model's by keyword. Under pipelining the schedule runs both (the
+    first stage takes the tokens, every stage the rest); only the last stage sees the loss (others return 0)."""
+    pipe = step.pipeline
+    if step.labels_in_forward:
+        inputs = {**inputs, "labels": labels}
+    with loss_context(step.loss_parallel):
+        if pipe is None:
+            with step.autocast:
+                loss = step.loss_fn(step.model(**inputs), labels) * step.loss_scale.value
+                if step.extra_loss is not None:
+                    loss = loss + step.extra_loss(step.model) / (step.grad_accum if train else 1)
+            if train:
+                loss.backward()
+            return local(loss.detach())
+        losses = [] if pipe.last else None
+        run = pipe.schedule.step if train else pipe.schedule.eval
+        rest = {k: v for k, v in inputs.items() if k != "tokens"}
+        # Outputs not kept: the last stage would hold every micro-batch's logits to the end of the step.
+        with step.autocast:  # bf16 without FSDP, on every stage as without PP
+            run(*([inputs["tokens"]] if pipe.first else []), target=labels if pipe.last else None, losses=losses,
+                return_outputs=False, **rest)
+    if not losses:
+        return torch.zeros((), device=step.device)
+    return local(torch.stack([local(x) for x in losses]).sum().detach())
