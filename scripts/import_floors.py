@@ -42,7 +42,7 @@ FLOORS = (
      "inference loading, fault tolerance, the checks before any rank starts",
      ("tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim", "tessera.checkpoint",
       "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.preflight")),
-    ("trainer", "the builders of a run", ("tessera.trainer",)),
+    ("trainer", "what a step runs, and the builders of a run", ("tessera.step", "tessera.trainer")),
     ("commands", "what a user runs (`python -m ...`); `tessera` itself exports `from_pretrained`",
      ("tessera.report", "tessera.train", "tessera.estimate", "tessera.plan", "tessera.generate", "tessera.convert",
       "tessera.loss_compare", "tessera.cache", "tessera.config_cli", "tessera.config.__main__", "tessera.launch",
