@@ -434,7 +434,7 @@ BIG = {
     "qwen3_30b_a3b.toml": (8, ()),
     "qwen3_235b_a22b.toml": (128, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
     "deepseek_v3_16b.toml": (8, ("parallelism.expert_parallel_degree",)),
-    "deepseek_v3_671b.toml": (512, ("parallelism.tensor_parallel_degree", "parallelism.expert_parallel_degree")),
+    "deepseek_v3_671b.toml": (512, ("parallelism.expert_parallel_degree",)),
     "gpt_oss_20b.toml": (8, ("parallelism.expert_parallel_degree",)),
     "gpt_oss_120b.toml": (64, ("parallelism.expert_parallel_degree",)),
     "llama4_scout.toml": (64, ("parallelism.expert_parallel_degree",)),

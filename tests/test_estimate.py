@@ -305,3 +305,14 @@ def test_shipped_layout_is_the_one_plan_ranks_best(name):
         assert CONVENTION[name] in path.read_text() and any(abs(n / best - 1) <= 0.1 for n in said), (name, best)
     else:
         assert shipped >= 0.9 * best, f"{name}: {shipped:,.0f} tokens/s per GPU, plan's best {best:,.0f}"
+
+
+def test_estimate_traces_mtp_under_tp_and_cp():
+    """DeepSeek's MTP depths read their tokens and targets ahead, padded with the last one (an expanded view): the
+    tracer carries integer values through such views (it once failed: 'refer to a single memory location'), and
+    the trained depths' activations count (more than at weight 0)."""
+    mtp = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", "--training.seq_len", "64"]
+    for layout in (["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.context_parallel_degree", "2"]):
+        peaks = [estimate(parse_args([*mtp, *layout, "--deepseek_v3.mtp_loss_weight", w]), 2, "cpu").peak
+                 for w in ("0", "0.3")]
+        assert peaks[1] > peaks[0], (layout, peaks)

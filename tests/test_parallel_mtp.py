@@ -12,6 +12,7 @@ MODEL = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", "--m
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 BATCH = "--training.local_batch_size"
+UNTRAINED = ["--deepseek_v3.mtp_loss_weight", "0"]
 STEPS = 3
 
 
@@ -19,8 +20,9 @@ def test_mtp_layouts_equal_one_process(tmp_path):
     """One 4-rank launch: TP 2 x FSDP 2 (loss parallel); TP 2 x FSDP 2 without loss parallel; CP 2 x FSDP 2
     (all-gather); CP 2 x TP 2 (Ulysses: 4 heads over 4 ranks); CP 4 with documents packed into each window
     (block-causal, each document's first label masked: each depth's shifted tokens, documents, positions and
-    targets cross the chunks). Without DP there: a depth's loss is each DP rank's mean over its own trained
-    targets, as without CP, which differs from one process's mean where the ranks' counts do."""
+    targets cross the chunks); and TP 2 x FSDP 2 at weight 0 (the depths split, kept, untrained). No DP in the
+    documents case: a depth's loss is each DP rank's mean over its own trained targets, as without CP, which differs
+    from one process's mean where the ranks' counts do."""
     docs = tmp_path / "short.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
     packed = ["--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
@@ -29,12 +31,15 @@ def test_mtp_layouts_equal_one_process(tmp_path):
              "TP 2 x FSDP 2, no loss parallel": [BATCH, "4", *TP2, "--parallelism.disable_loss_parallel"],
              "CP 2 x FSDP 2": [BATCH, "4", *CP2],
              "CP 2 (Ulysses) x TP 2": [BATCH, "8", *CP2, *TP2, "--parallelism.context_parallel_method", "ulysses"],
-             "documents, CP 4": [*packed, BATCH, "8", "--parallelism.context_parallel_degree", "4"]}
+             "documents, CP 4": [*packed, BATCH, "8", "--parallelism.context_parallel_degree", "4"],
+             "untrained, TP 2 x FSDP 2": [BATCH, "4", *TP2, *UNTRAINED]}
     results = run_cases(4, tmp_path, [[*MODEL, *case] for case in cases.values()], STEPS)
-    reference, masked = run_grads([*MODEL, BATCH, "8"], STEPS), run_grads([*MODEL, *packed, BATCH, "8"], STEPS)
+    reference = run_grads([*MODEL, BATCH, "8"], STEPS)
     assert reference["grads"]["mtp.1.eh_proj.weight"].abs().sum() > 0  # the depths train
+    others = {"documents": run_grads([*MODEL, *packed, BATCH, "8"], STEPS),
+              "untrained": run_grads([*MODEL, *UNTRAINED, BATCH, "8"], STEPS)}
     for name, got in zip(cases, results, strict=True):
         try:
-            assert_matches(got, masked if name.startswith("documents") else reference, 1e-5, what=("grads", "params"))
+            assert_matches(got, others.get(name.split(",")[0], reference), 1e-5, what=("grads", "params"))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None

@@ -106,7 +106,12 @@ class EvenRouting(TorchDispatchMode):
                 flat = torch.zeros(st.nbytes() // t.element_size(), dtype=t.dtype)
                 self.store[key] = (weakref.ref(st, lambda _, k=key: self.store.pop(k, None)), flat)
             # A clone: a view's value (labels cut in chunks) may be a view of the very elements it is written to.
-            self.get(t).copy_(value.reshape(t.shape).clone())
+            target, value = self.get(t), value.reshape(t.shape).clone()
+            # An expanded view (stride 0: a value repeated, such as a sequence padded with its last id) holds
+            # each element once: written through one index of each such dim.
+            for dim in [d for d, stride in enumerate(target.stride()) if stride == 0 and target.shape[d] > 1]:
+                target, value = target.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
+            target.copy_(value)
 
     def forget(self, t: torch.Tensor) -> None:
         self.store.pop(id(t.untyped_storage()), None)
