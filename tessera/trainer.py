@@ -221,8 +221,14 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
                             pipeline.group if pipeline is not None else None, share)
 
 
-def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int) -> list[SideLoss]:
-    losses, share = [m for m in model.modules() if isinstance(m, SideLoss)], micro_batches(cfg, world, grad_accum)
+def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int,
+                      pipeline: Pipeline | None = None) -> list[SideLoss]:
+    """The weighted side losses, of every stage under pipelining (each stage's model reads its weight)."""
+    parts = pipeline.parts if pipeline is not None else [model]
+    losses = [m for part in parts for m in part.modules() if isinstance(m, SideLoss)]
+    for part in parts if pipeline is not None else ():
+        pp.forget_shape_inference(part, [m for m in part.modules() if isinstance(m, SideLoss)])
+    share = micro_batches(cfg, world, grad_accum)
     for m in losses:
         section, _, option = m.weight_option.rpartition(".")
         m.weight, m.share = getattr(getattr(cfg, section), option), 1.0 / share
@@ -326,7 +332,7 @@ def build_trainer(cfg: JobConfig, world: World) -> Trainer:
                  extra_loss=spec.extra_loss,
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad,
                  balancer=build_balancer(cfg, world, args, model, pipeline, grad_accum),
-                 side_losses=build_side_losses(cfg, world, model, grad_accum), progress=progress,
+                 side_losses=build_side_losses(cfg, world, model, grad_accum, pipeline), progress=progress,
                  evaluate=spec.evaluate, labels_in_forward=labels_in_forward(cfg, spec))
     tr.checkpointer.load(resume)
     start_run_folder(cfg, args, tr.checkpointer, counts.params)

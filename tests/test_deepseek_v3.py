@@ -417,7 +417,7 @@ def test_the_debug_models_train_with_balancing_on(flavor):
         assert history[-1]["mtp_loss"] < history[0]["mtp_loss"] - 1.0
 
 
-@pytest.mark.parametrize("layout", ["tensor", "context", "pipeline"])
+@pytest.mark.parametrize("layout", ["tensor", "context"])
 def test_mtp_is_refused_where_ranks_hold_no_whole_sequence_and_kept_untrained_at_weight_0(layout):
     from tessera.config import ConfigError
     from tessera.preflight import parse_args, validate

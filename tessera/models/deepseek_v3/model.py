@@ -114,14 +114,46 @@ class DeepSeekV3(Decoder):
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.carries_embeddings():
+            return self.stage_forward(tokens, documents, positions, labels)
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
             return super().forward(tokens, cache, documents, positions, labels)
         h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
+        return self.with_mtp(h, self.tok_embeddings(tokens), tokens, documents, positions, labels)
+
+    def carries_embeddings(self) -> bool:
+        """Whether this is a pipeline stage (it lacks the embedding or the final norm) of a model that trains its
+        MTP depths: then what passes between stages is [hidden states; input embeddings] (2 x dim wide), so that
+        the depths, on the last stage, get the embeddings of the whole sequence from the first stage, and their
+        gradient goes back to the embedding the way the hidden states' does (no copy of it to keep in step)."""
+        return bool(self.args.n_mtp and self.mtp_loss.weight) and (self.tok_embeddings is None or self.norm is None)
+
+    def stage_forward(self, x: torch.Tensor, documents: torch.Tensor | None, positions: torch.Tensor | None,
+                      labels: torch.Tensor | None) -> torch.Tensor:
+        """One pipeline stage's forward (see carries_embeddings): the first takes the tokens, the others the
+        stream; the last returns what forward does (the depths run only in training)."""
+        if self.tok_embeddings is not None:
+            embeddings = self.tok_embeddings(x)
+        else:
+            x, embeddings = x.chunk(2, dim=-1)
+        h = self.hidden(x, documents=documents, positions=positions)
+        if self.norm is None:
+            return torch.cat([h, embeddings], dim=-1)
+        h = self.norm(h)
+        if not self.training:
+            return self.head(h) if labels is None else self.token_loss(h, labels)
+        return self.with_mtp(h, embeddings, None, documents, positions, labels)
+
+    def with_mtp(self, h: torch.Tensor, embeddings: torch.Tensor, tokens: torch.Tensor | None,
+                 documents: torch.Tensor | None, positions: torch.Tensor | None,
+                 labels: torch.Tensor | None) -> torch.Tensor:
+        """The head's output (or the token loss, given labels) of the normed last hidden states `h`, the depths'
+        weighted loss attached to it. `tokens`: the targets without labels (a pipeline passes labels)."""
         # Depth k at position i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
         # one, so each depth's last position (whose target is the window's next token) is left out of its loss.
         # Given labels, a depth trains where label i+k does (not on prompts, nor where a document starts), its
         # loss the mean over those targets (0 when none); without labels, on the tokens.
-        depths = enumerate(self.mtp_hidden(h, tokens, documents, positions), 1)
+        depths = enumerate(self.mtp_hidden(h, embeddings, documents, positions), 1)
         if labels is None:
             losses = [F.cross_entropy(self.head(out[:, :-1]).flatten(0, 1).float(), tokens[:, k + 1:].flatten())
                       for k, out in depths]
@@ -132,15 +164,15 @@ class DeepSeekV3(Decoder):
 
     def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...); see mtp_hidden."""
-        return [self.head(out) for out in self.mtp_hidden(h, tokens, documents, positions)]
+        """Each depth's logits [batch, seq - k, vocab] (k = 1, 2...) from the input tokens; see mtp_hidden."""
+        return [self.head(out) for out in self.mtp_hidden(h, self.tok_embeddings(tokens), documents, positions)]
 
-    def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+    def mtp_hidden(self, h: torch.Tensor, embeddings: torch.Tensor, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each depth's normed output [batch, seq - k, dim] (k = 1, 2...), from the trunk's normed last hidden
-        states and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its
-        slot i holds token i + k: its document and position are that token's."""
-        out, embeddings = [], self.tok_embeddings(tokens)
+        states and the input tokens' embeddings; a depth passes on its own normed output (as transformers'
+        MtpModel does). Its slot i holds token i + k: its document and position are that token's."""
+        out = []
         for k, depth in enumerate(self.mtp.values(), 1):
             rope = self.rope if positions is None else self.rope[positions[..., k:]]
             h = depth(h[:, :-1], embeddings[:, k:], rope, None if documents is None else documents[:, k:])

@@ -13,7 +13,7 @@ class DeepSeekV3Options:
 
 
 def check(cfg, args, dims) -> None:
-    if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and (dims.tp > 1 or dims.cp > 1 or dims.pp > 1):
+    if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and (dims.tp > 1 or dims.cp > 1):
         raise ValueError("deepseek_v3.mtp_loss_weight: multi-token prediction runs on whole sequences, after the "
-                         "last block and beside the input embedding, which TP, CP and PP ranks do not hold yet; set "
+                         "last block and beside the input embedding, which TP and CP ranks do not hold yet; set "
                          "it to 0 there (the depths stay in the model and its checkpoints, untrained)")

@@ -4,7 +4,7 @@ TP splits MLA by heads: the query's (last) projection and the latent's expansion
 are column-wise, the output row-wise; the query bottleneck, the latent and their norms stay replicated and run
 on the gathered sequence. The rope key is one head that every rank's heads use, so each rank's gradient of it
 is partial: summed over TP where it leaves `wkv_a`. CP swaps the kernel, keeping MLA's score scale. The MTP
-depths (the last stage's) are FSDP units of their own; they train only without TP/CP/PP (checked at launch)."""
+depths (the last stage's) are FSDP units of their own; they train only without TP/CP (checked at launch)."""
 
 from torch import nn
 
@@ -25,5 +25,5 @@ def mla_tp_plan(args) -> dict:
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
-    untrained = not cfg.deepseek_v3.mtp_loss_weight or world.dims.pp > 1  # PP with MTP is refused at launch
-    return parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained)
+    return parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths,
+                               not cfg.deepseek_v3.mtp_loss_weight)
