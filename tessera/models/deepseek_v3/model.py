@@ -128,6 +128,9 @@ class DeepSeekV3(Decoder):
         gradient goes back to the embedding the way the hidden states' does (no copy of it to keep in step)."""
         return bool(self.args.n_mtp and self.mtp_loss.weight) and (self.tok_embeddings is None or self.norm is None)
 
+    def stream_width(self) -> int:
+        return 2 * self.args.dim if self.carries_embeddings() else self.args.dim
+
     def stage_forward(self, x: torch.Tensor, documents: torch.Tensor | None, positions: torch.Tensor | None,
                       labels: torch.Tensor | None) -> torch.Tensor:
         """One pipeline stage's forward (see carries_embeddings): the first takes the tokens, the others the
