@@ -134,7 +134,8 @@ class DeepSeekV3(Decoder):
     def stage_forward(self, x: torch.Tensor, documents: torch.Tensor | None, positions: torch.Tensor | None,
                       labels: torch.Tensor | None) -> torch.Tensor:
         """One pipeline stage's forward (see carries_embeddings): the first takes the tokens, the others the
-        stream; the last returns what forward does (the depths run only in training)."""
+        stream; the last returns what forward does, the depths run only while they train (the trainer's view of
+        the stages switches them to eval, not the stage itself)."""
         if self.tok_embeddings is not None:
             embeddings = self.tok_embeddings(x)
         else:
@@ -143,7 +144,7 @@ class DeepSeekV3(Decoder):
         if self.norm is None:
             return torch.cat([h, embeddings], dim=-1)
         h = self.norm(h)
-        if not self.training:
+        if not self.mtp.training:
             return self.head(h) if labels is None else self.token_loss(h, labels)
         return self.with_mtp(h, embeddings, None, documents, positions, labels)
 
