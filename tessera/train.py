@@ -232,6 +232,21 @@ def stop_and_save(tr: Trainer, stop: StopRequest, asked: str) -> None:
                   f"{REQUEUE_EXIT} (relaunch, or let SLURM requeue, to resume)")
 
 
+def side_loss_metrics(tr: Trainer) -> dict[str, float]:
+    """Each side loss's mean since the last log over the data ranks; under pipelining the last stage's (every
+    stage holds the side losses, the last runs them), on every stage."""
+    out = {}
+    for metric in dict.fromkeys(m.metric for m in tr.side_losses):
+        summed = torch.zeros(2, device=tr.world.device)  # its values and their count
+        for m in tr.side_losses:
+            if m.metric == metric and m.count:
+                summed += torch.stack([m.total.float(), summed.new_tensor(float(m.count))])
+        summed = pp_share(summed, tr)
+        if summed[1]:
+            out[metric] = dp_mean(summed[0] / summed[1], tr.world)
+    return out
+
+
 def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: float, data_s: float,
                start: float, trained: torch.Tensor | None = None) -> None:
     """The metrics of the steps since the last log (`tokens` per device in them; `trained`: the trained tokens
@@ -254,7 +269,7 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
         record.update({f"mix/{name}": share for name, share in tr.loader.shares().items()})
     if tr.balancer is not None:
         record.update(tr.balancer.metrics(tr.world.device))
-    record.update({m.metric: dp_mean(m.total / m.count, tr.world) for m in tr.side_losses if m.count})
+    record.update(side_loss_metrics(tr))
     record.update(live_memory_metrics(tr))
     if tr.replicas is not None:
         record.update(tr.replicas.metrics())

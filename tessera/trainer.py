@@ -168,7 +168,7 @@ def build_step(cfg: JobConfig, world: World, spec, model: nn.Module, *, pipeline
     return StepParts(model=model, pipeline=pipeline, loss_fn=loss, loss_scale=scale,
                      labels_in_forward=labels_in_forward(cfg, spec), loss_parallel=uses_loss_parallel(cfg, world),
                      extra_loss=spec.extra_loss,
-                     side_losses=tuple(build_side_losses(cfg, world, model, grad_accum)),
+                     side_losses=tuple(build_side_losses(cfg, world, model, grad_accum, pipeline)),
                      autocast=torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed
                      else contextlib.nullcontext(), grad_accum=grad_accum, device=world.device)
 
@@ -216,8 +216,14 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
                             pipeline.group if pipeline is not None else None, share)
 
 
-def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int) -> list[SideLoss]:
-    losses, share = [m for m in model.modules() if isinstance(m, SideLoss)], micro_batches(cfg, world, grad_accum)
+def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int,
+                      pipeline: Pipeline | None = None) -> list[SideLoss]:
+    """The weighted side losses, of every stage under pipelining (each stage's model reads its weight)."""
+    parts = pipeline.parts if pipeline is not None else [model]
+    losses = [m for part in parts for m in part.modules() if isinstance(m, SideLoss)]
+    for part in parts if pipeline is not None else ():
+        pp.forget_shape_inference(part, [m for m in part.modules() if isinstance(m, SideLoss)])
+    share = micro_batches(cfg, world, grad_accum)
     for m in losses:
         section, _, option = m.weight_option.rpartition(".")
         m.weight, m.share = getattr(getattr(cfg, section), option), 1.0 / share

@@ -19,7 +19,7 @@ from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.init import bare_name
 from tessera.parallel.tp import local
 from tessera.preflight import parse_args, validate
-from tessera.train import dp_mean, train, train_step
+from tessera.train import dp_mean, side_loss_metrics, train, train_step, validate_loss
 from tessera.trainer import build_trainer
 from tests.launch import merge
 
@@ -55,17 +55,21 @@ def _over_stages(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def step_and_record(tr, steps: int) -> dict:
-    """Per-step losses and global grad norms, step-1 gradients and final parameters of `steps` train steps."""
-    losses, norms, grads = [], [], None
+    """Per-step losses, global grad norms and side-loss metrics (DeepSeek's mtp_loss), step-1 gradients and
+    final parameters of `steps` train steps; with validation.enable, the validation loss after them."""
+    losses, norms, grads, side = [], [], None, []
     for step in range(steps):
         loss, norm = train_step(tr)[:2]
         tr.step += 1
         losses.append(dp_mean(loss, tr.world))
         norms.append(norm.item())
+        side.append(side_loss_metrics(tr))
         if step == 0:
             grads = full_params(tr.model, "grad")
+    validation = validate_loss(tr) if tr.val_loader is not None else None
     tr.metrics.close()
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "params": full_params(tr.model)}
+    return {"losses": losses, "grad_norms": norms, "side_losses": side, "grads": grads, "params": full_params(tr.model),
+            "validation": validation}
 
 
 def run_grads(argv: list[str], steps: int) -> dict:

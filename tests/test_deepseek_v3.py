@@ -417,16 +417,17 @@ def test_the_debug_models_train_with_balancing_on(flavor):
         assert history[-1]["mtp_loss"] < history[0]["mtp_loss"] - 1.0
 
 
-@pytest.mark.parametrize("layout", ["tensor", "context", "pipeline"])
-def test_mtp_trains_under_tp_and_cp_is_refused_under_pp_and_kept_untrained_at_weight_0(layout):
+@pytest.mark.parametrize("layout", [("tensor",), ("context",), ("pipeline",), ("pipeline", "tensor")])
+def test_mtp_trains_under_tp_cp_and_pp_is_refused_under_pp_with_tp_and_kept_untrained_at_weight_0(layout):
     from tessera.config import ConfigError
     from tessera.preflight import parse_args, validate
 
     argv = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp",
-            f"--parallelism.{layout}_parallel_degree", "2"]
-    if layout == "pipeline":
-        with pytest.raises(ConfigError, match="deepseek_v3.mtp_loss_weight: multi-token prediction runs after the"):
-            validate(parse_args(argv), 2)
+            *(arg for name in layout for arg in (f"--parallelism.{name}_parallel_degree", "2"))]
+    world = 2 ** len(layout)
+    if len(layout) > 1:
+        with pytest.raises(ConfigError, match="deepseek_v3.mtp_loss_weight: under pipelining the MTP depths take"):
+            validate(parse_args(argv), world)
     else:
-        validate(parse_args(argv), 2)
-    validate(parse_args([*argv, "--training.mtp_loss_weight", "0"]), 2)
+        validate(parse_args(argv), world)
+    validate(parse_args([*argv, "--training.mtp_loss_weight", "0"]), world)

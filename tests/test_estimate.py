@@ -39,6 +39,8 @@ VALIDATION = [
                                  "--parallelism.context_parallel_method", "ulysses"]),
     ("Llama 3 PP 2 (1F1B, 4 micro-batches)", 2, [*DENSE, *PP]),
     ("Qwen 3 MoE EP 2 (FSDP 2)", 2, [*MOE, "--parallelism.expert_parallel_degree", "2"]),
+    ("DeepSeek V3 PP 2, 2 MTP depths trained (embeddings sent beside the hidden states)", 2,
+     ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", *DENSE[2:], *PP]),
     ("Llama 3 FSDP 2 x PP 2 (Interleaved1F1B, 8 micro-batches), accumulation 2", 4,
      [*DENSE, *PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "8",
       "--training.global_batch_size", "32"]),

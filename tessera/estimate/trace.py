@@ -19,6 +19,7 @@ from tessera import experts
 from tessera.distributed import World, mesh_world
 from tessera.memory import LiveBytes
 from tessera.models.common import attention
+from tessera.models.common.decoder import Decoder
 from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
@@ -307,10 +308,12 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
     loss, own_loss = step.loss_fn, is_last and step.labels_in_forward
     share = micro_batches(cfg, world, grad_accum)
     mb, seq = p.pipeline_parallel_microbatch_size, t.seq_len // world.dims.cp
-    # Between stages: the residual stream, sequence-parallel under TP, in FSDP's compute dtype (else fp32).
+    # Between stages: the residual stream (DeepSeek's training MTP: with the input embeddings beside it),
+    # sequence-parallel under TP, in FSDP's compute dtype (else fp32).
     dtype = mixed_precision(t, world.device)[0] if world.dp_mesh() is not None else torch.float32
+    width = part.stream_width() if isinstance(part, Decoder) else args.dim
     with fake:
-        boundary = torch.empty(mb, seq // world.dims.tp, args.dim, dtype=dtype)
+        boundary = torch.empty(mb, seq // world.dims.tp, width, dtype=dtype)
         tokens, labels = _batch(cfg, world, mb, args.vocab_size, None)
         inputs = [tokens["tokens"] if is_first else torch.empty_like(boundary).requires_grad_() for _ in range(2)]
         grad = None if is_last else torch.empty_like(boundary)

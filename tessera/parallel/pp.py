@@ -123,6 +123,20 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
     return schedule, stages
 
 
+def forget_shape_inference(stage: nn.Module, recorders: list[nn.Module]) -> None:
+    """Reset `recorders` (modules of the stage with a reset(): side losses) as the stage's second forward starts:
+    torch's PipelineStage runs the first on uninitialized tensors to infer shapes; what they recorded then goes."""
+    forwards = []
+
+    def count(module: nn.Module, args) -> None:
+        forwards.append(module)
+        if len(forwards) == 2:
+            for m in recorders:
+                m.reset()
+            handle.remove()
+    handle = stage.register_forward_pre_hook(count)
+
+
 def parts_view(parts: list[nn.Module], names: tuple[str, ...], blocks: tuple[str, ...] = ("layers",)) -> nn.Module:
     """One module over this rank's stages with the whole model's parameter names, for optimizer and DCP."""
     view = nn.Module()

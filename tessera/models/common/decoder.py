@@ -91,6 +91,10 @@ class Decoder(nn.Module):
             return h
         return self.head(self.norm(h)) if labels is None else self.token_loss(self.norm(h), labels)
 
+    def stream_width(self) -> int:
+        """Features per token one pipeline stage sends the next: the residual stream's (a family may add some)."""
+        return self.args.dim
+
     def token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the logits of normed hidden states `h` against `labels`, chunk by chunk."""
         return chunked_cross_entropy(self.head, h, labels, self.loss_chunks, self.chunk_loss)

@@ -93,6 +93,12 @@ class MTPDepth(nn.Module):
         return self.norm(self.block(x, rope, documents=documents))
 
 
+def _rows_ahead(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [batch, seq, dim] with row i holding row i + k (the last row past the end): Lookahead.shift of the
+    tokens, on their embeddings."""
+    return torch.cat([x[:, k:], x[:, -1:].expand(-1, min(k, x.shape[1]), -1)], dim=1)
+
+
 class DeepSeekV3(Decoder):
     """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after), and
     `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side loss)."""
@@ -110,15 +116,52 @@ class DeepSeekV3(Decoder):
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,
                 documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.carries_embeddings():
+            return self.stage_forward(tokens, documents, positions, labels)
         if not (self.training and self.mtp is not None and self.mtp_loss.weight and cache is None):
             return super().forward(tokens, cache, documents, positions, labels)
         h = self.norm(self.hidden(tokens, documents=documents, positions=positions))
+        return self.with_mtp(h, None, tokens, documents, positions, labels)
+
+    def carries_embeddings(self) -> bool:
+        """Whether this is a pipeline stage (it lacks the embedding or the final norm) of a model that trains its
+        MTP depths: then what passes between stages is [hidden states; input embeddings] (2 x dim wide), so that
+        the depths, on the last stage, get the embeddings of the whole sequence from the first stage, and their
+        gradient goes back to the embedding the way the hidden states' does (no copy of it to keep in step)."""
+        return bool(self.args.n_mtp and self.mtp_loss.weight) and (self.tok_embeddings is None or self.norm is None)
+
+    def stream_width(self) -> int:
+        return 2 * self.args.dim if self.carries_embeddings() else self.args.dim
+
+    def stage_forward(self, x: torch.Tensor, documents: torch.Tensor | None, positions: torch.Tensor | None,
+                      labels: torch.Tensor | None) -> torch.Tensor:
+        """One pipeline stage's forward (see carries_embeddings): the first takes the tokens, the others the
+        stream; the last returns what forward does, the depths run only while they train (the trainer's view of
+        the stages switches them to eval, not the stage itself)."""
+        if self.tok_embeddings is not None:
+            embeddings = self.tok_embeddings(x)
+        else:
+            x, embeddings = x.chunk(2, dim=-1)
+        h = self.hidden(x, documents=documents, positions=positions)
+        if self.norm is None:
+            return torch.cat([h, embeddings], dim=-1)
+        h = self.norm(h)
+        if not self.mtp.training:
+            return self.head(h) if labels is None else self.token_loss(h, labels)
+        return self.with_mtp(h, embeddings, None, documents, positions, labels)
+
+    def with_mtp(self, h: torch.Tensor, embeddings: torch.Tensor | None, tokens: torch.Tensor | None,
+                 documents: torch.Tensor | None, positions: torch.Tensor | None,
+                 labels: torch.Tensor | None) -> torch.Tensor:
+        """The head's output (or the token loss, given labels) of the normed last hidden states `h`, the depths'
+        weighted loss attached to it. `tokens`: the targets without labels (a pipeline passes labels)."""
         # Depth k at slot i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
         # one, so each depth's slots from seq - k - 1 on (whose targets are the window's next token, or past it)
         # are left out of its loss. Given labels, a depth trains where label i+k does (not on prompts, nor where a
         # document starts), its loss the mean over those targets (0 when none); without labels, on the tokens.
         # The targets are read ahead on the whole sequence, so that they cross CP ranks' chunks.
-        depths = enumerate(self.mtp_hidden(h, tokens, documents, positions), 1)
+        # Under pipelining `embeddings` are the first stage's, carried to the last (see carries_embeddings).
+        depths = enumerate(self.mtp_hidden(h, tokens, documents, positions, embeddings), 1)
         ahead = self.lookahead.ahead
         if labels is None:
             losses = [F.cross_entropy(self.head(out).flatten(0, 1).float(), ahead(tokens, k + 1, IGNORE).flatten(),
@@ -135,17 +178,20 @@ class DeepSeekV3(Decoder):
         out = self.mtp_hidden(h, tokens, documents, positions)
         return [self.head(x[:, :x.shape[1] - k]) for k, x in enumerate(out, 1)]
 
-    def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor | None = None,
-                   positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor | None, documents: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, embeddings: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each depth's normed output [batch, seq, dim] (k = 1, 2...), from the trunk's normed last hidden states
         and the input tokens; a depth passes on its own normed output (as transformers' MtpModel does). Its slot i
         holds token i + k (its document and position are that token's); its last k slots, past the window, repeat
-        the last token and train nothing. Whole-length, a depth's sequence splits over TP and CP like the trunk's."""
+        the last token and train nothing. Whole-length, a depth's sequence splits over TP and CP like the trunk's.
+        On a pipeline's last stage the inputs' `embeddings` (the first stage's, whole sequences: PP with MTP runs
+        without TP and CP) are shifted instead of embedding the tokens read ahead."""
         out, ahead = [], self.lookahead.ahead
         for k, depth in enumerate(self.mtp.values(), 1):
             rope = self.rope if positions is None else self.rope[ahead(positions, k)]
             docs = None if documents is None else ahead(documents, k)
-            h = depth(h, self.tok_embeddings(ahead(tokens, k)), rope, docs)
+            inputs = self.tok_embeddings(ahead(tokens, k)) if embeddings is None else _rows_ahead(embeddings, k)
+            h = depth(h, inputs, rope, docs)
             out.append(h)
         return out
 

@@ -13,7 +13,7 @@ class DeepSeekV3Options:
 
 
 def check(cfg, args, dims) -> None:
-    if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and dims.pp > 1:
-        raise ValueError("deepseek_v3.mtp_loss_weight: multi-token prediction runs after the last block and beside "
-                         "the input embedding, which PP stages do not hold together yet; set it to 0 there (the "
-                         "depths stay in the model and its checkpoints, untrained)")
+    if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and dims.pp > 1 and (dims.tp > 1 or dims.cp > 1):
+        raise ValueError("deepseek_v3.mtp_loss_weight: under pipelining the MTP depths take the first stage's "
+                         "embeddings of whole sequences, which TP and CP ranks do not hold; with PP, use FSDP/EP "
+                         "only, or set it to 0 (the depths stay in the model and its checkpoints, untrained)")

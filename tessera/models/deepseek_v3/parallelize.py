@@ -9,7 +9,8 @@ The MTP depths (the last stage's) are FSDP units of their own. Each runs on the 
 token i + k), so TP and CP split it like the trunk: its block takes the blocks' plan; its norms and its
 projection of [embedding; hidden] run on each rank's sequence slice with replicated weights (sequence parallel,
 their gradients summed over TP). Under CP the lookahead that shifts each depth's tokens, positions, documents
-and targets reads across the ranks' chunks."""
+and targets reads across the ranks' chunks. Under PP the depths sit on
+the last stage, fed the first stage's embeddings through the stages (model.carries_embeddings)."""
 
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
@@ -39,7 +40,7 @@ def mtp_depth_tp_plan() -> dict:
 
 def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
-    untrained = not cfg.deepseek_v3.mtp_loss_weight or world.dims.pp > 1  # PP with MTP is refused at launch
+    untrained = not cfg.deepseek_v3.mtp_loss_weight
     model = parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained,
                                 more_blocks={str(k): d.block for k, d in enumerate(depths)},
                                 more_tp=tuple((d, mtp_depth_tp_plan()) for d in depths))
