@@ -23,6 +23,7 @@ from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
 from tessera.step import forward_backward
 from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
+from tessera.tensors import local
 from tessera.trainer import Trainer, build_trainer, micro_batches, run_view
 
 log = logging.getLogger("tessera")
@@ -237,10 +238,10 @@ def side_loss_metrics(tr: Trainer) -> dict[str, float]:
     stage holds the side losses, the last runs them), on every stage."""
     out = {}
     for metric in dict.fromkeys(m.metric for m in tr.side_losses):
-        summed = torch.zeros(2, device=tr.world.device)  # its values and their count
+        summed = torch.zeros(2, device=tr.world.device)  # its values (local: loss parallel's are DTensors), count
         for m in tr.side_losses:
             if m.metric == metric and m.count:
-                summed += torch.stack([m.total.float(), summed.new_tensor(float(m.count))])
+                summed += torch.stack([local(m.total).float(), summed.new_tensor(float(m.count))])
         summed = pp_share(summed, tr)
         if summed[1]:
             out[metric] = dp_mean(summed[0] / summed[1], tr.world)
