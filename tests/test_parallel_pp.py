@@ -46,14 +46,19 @@ def test_pp2_every_schedule_csv_and_accumulation(tmp_path, reference):
 
 def test_pp2_x_fsdp2(tmp_path, reference):
     """Gradients reduced at the step's end (torch's way) and after each micro-batch (with gradient accumulation
-    too). (Not here: InterleavedZeroBubble under PP 2 x FSDP 2, which differs from one process at step 2 either
-    way, 5.99524 against 5.99482; PP 2 alone matches.)"""
+    too); and the split-backward (zero bubble) schedules, whose blocks would otherwise be resharded after forward
+    and lose the weight gradients of micro-batches whose input pass came after a later forward (ZBV: both layers
+    on one rank's two middle stages), even when asked to reshard always (the root too)."""
     pp_fsdp = [*PP2, "--training.local_batch_size", "4"]
     each = ["--parallelism.pipeline_parallel_grad_reduce", "microbatch"]
     interleaved = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
     cases = [[*pp_fsdp, *interleaved], [*pp_fsdp, *interleaved, *each],
              [*pp_fsdp, *each, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]]
-    for name, got in zip(("step", "microbatch", "microbatch, accumulation"),
+    schedule = "--parallelism.pipeline_parallel_schedule"
+    cases += [[*pp_fsdp, schedule, "ZBVZeroBubble"],
+              [*pp_fsdp, schedule, "InterleavedZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"]]
+    for name, got in zip(("step", "microbatch", "microbatch, accumulation", "ZBVZeroBubble",
+                          "InterleavedZeroBubble, always resharded"),
                          run_cases(4, tmp_path, cases, STEPS), strict=True):
         try:
             assert_matches(got, reference, TOL, what=("grads", "params"))

@@ -100,6 +100,21 @@ def make_stage(part: nn.Module, stage_id: int, n_stages: int, device: torch.devi
     return cls(part, stage_id, n_stages, device, group=pp_mesh.get_group())
 
 
+def keep_gathered(parts: list[nn.Module], p, warn: bool) -> None:
+    """Under a split backward, FSDP groups keep their gathered parameters from forward on (the schedule's own
+    RESHARD action frees them after the stage's last weight pass). A micro-batch's input pass picks the weights it
+    leaves to the weight pass among the stage's parameters as they are then: a group resharded after a later
+    forward holds its shards there, so that micro-batch's weight gradients were never computed (no error)."""
+    if p.fsdp_reshard_after_forward == "always" and warn:
+        name = p.pipeline_parallel_schedule_csv or p.pipeline_parallel_schedule
+        logging.getLogger("tessera").warning(
+            f"parallelism.fsdp_reshard_after_forward = always: {name} splits backwards (zero bubble), whose weight "
+            f"passes need the gathered parameters: they stay gathered from forward to the step's end")
+    for module in (m for part in parts for m in part.modules()):
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False, recurse=False)
+
+
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, cfg, loss_fn):
     """`loss_fn` must already scale each micro-batch's share of the step: the schedule does not scale gradients,
@@ -111,6 +126,8 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
             f"parallelism.pipeline_parallel_grad_reduce: {name} splits backwards (zero bubble): gradients are "
             f"reduced at the step's end; use a schedule without split backwards (1F1B, Interleaved1F1B...) to "
             f"reduce them after each micro-batch")
+    if splits_backward(p):
+        keep_gathered(parts, p, pp_mesh.get_rank() == 0)
     stages = [make_stage(part, i, n_stages, device, pp_mesh, cfg) for part, i in zip(parts, stage_ids, strict=True)]
     n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     if p.pipeline_parallel_schedule_csv:
