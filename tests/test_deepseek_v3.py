@@ -360,7 +360,8 @@ _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     """4 ranks, with the bias update on, each equal to one process within 1e-5 (per-step losses and grad norms,
     step-1 gradients, final parameters): FSDP 4; EP 2 x FSDP 4 (experts sharded over both); PP 2 x EP 2 x
-    FSDP, whose first stage holds the dense block; TP 2 x EP 2 x FSDP 2 (MLA's plan: the rope key's gradient
+    FSDP, whose first stage holds the dense block, under selective op AC (FSDP's work for the experts inside each
+    checkpointed block passes SAC uncounted); TP 2 x EP 2 x FSDP 2 (MLA's plan: the rope key's gradient
     summed over TP); TP 2 x FSDP 2 on the plain-query V2 debug model; 2 MTP depths under EP 2 x FSDP 4; and,
     from HF folders, EP 2 x CP 2 on a YaRN-scaled MLA (its softmax scale kept by CP's kernel) and EP 2 x FSDP 4
     on FP8 block-quantized weights (each rank dequantizing its own slices). And DeepSeek V3 671B's layout in
@@ -381,8 +382,9 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     ep, cp, tp = (["--parallelism.expert_parallel_degree", "2"], ["--parallelism.context_parallel_degree", "2"],
                   ["--parallelism.tensor_parallel_degree", "2"])
     kept = [*mtp, "--training.mtp_loss_weight", "0"]
+    op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     references = [run_grads([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, kept)]
-    cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp],
+    cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp, *op_ac],
              [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
              [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]

@@ -232,6 +232,18 @@ def test_planned_floor_rules_out_before_ranking():
     assert floor(small, validate(small, 64).dims, *_sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
 
 
+def test_selective_op_ac_traces_with_experts_sharded_apart_under_pp(tmp_path):
+    """DeepSeek V3's 671B layout in small (FSDP 2 x PP 2 x EP 2, selective op AC): FSDP's hooks on the experts,
+    inside each checkpointed block, did work in a micro-batch's recompute that its forward skipped, which failed
+    the trace as it failed the run (SAC's "invocation index ... not found in storage")."""
+    flags = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "64",
+             "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2", *PP,
+             "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.expert_parallel_degree", "2",
+             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    got = estimate(parse_args(merge(BASE, ["--job.dump_folder", str(tmp_path)], flags)), 4, "cpu")
+    assert len(got.kinds) == 2 and all(kind.act > 0 for kind in got.kinds)
+
+
 @pytest.mark.parametrize("flags, ranks", [
     (["--model.name", "llama4", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2"], 4),
     (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *PP, "--activation_checkpoint.mode", "full"], 4),

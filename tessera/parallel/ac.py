@@ -11,7 +11,12 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    create_selective_checkpoint_contexts,
+)
 
 
 def _ops(*names: str, namespace=torch.ops.aten) -> set:
@@ -59,8 +64,45 @@ def op_policy():
     return policy
 
 
+# SAC numbers every op of a block's forward and replays its recompute by those numbers, but the work FSDP's hooks do
+# for a module sharded on its own inside a block (MoE experts, over their mesh) depends on FSDP's state, which under
+# PP differs between the two: a root pre-forward mark and an all-gather's copies run in the recompute and not in the
+# forward it repeats, and the extra ops failed the backward ("... not found in storage"). FSDP marks
+# all of its work with record_function ("FSDP::..."): both modes pass the marks, and every op inside FSDP's, through
+# uncounted, as torch's SAC does its own ignored ops.
+_ENTER = {torch.ops.profiler._record_function_enter, torch.ops.profiler._record_function_enter_new}
+_EXIT = torch.ops.profiler._record_function_exit
+
+
+class _PassFsdpWork:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inside = self.__dict__.setdefault("fsdp_marks", [])  # the open marks, from FSDP's outermost one
+        packet = getattr(func, "overloadpacket", None)
+        if packet in _ENTER:
+            mark = func(*args, **(kwargs or {}))
+            if inside or str(args[0]).startswith("FSDP::"):
+                inside.append(mark)
+            return mark
+        if packet == _EXIT:
+            if inside and args[0] is inside[-1]:
+                inside.pop()
+            return func(*args, **(kwargs or {}))
+        if inside:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _SavingMode(_PassFsdpWork, _CachingTorchDispatchMode):
+    pass
+
+
+class _ReplayMode(_PassFsdpWork, _CachedTorchDispatchMode):
+    pass
+
+
 def _op_policy_context():
-    return create_selective_checkpoint_contexts(op_policy())
+    saving, replay = create_selective_checkpoint_contexts(op_policy())
+    return _SavingMode(saving.policy_fn, saving.storage), _ReplayMode(None, replay.storage)
 
 
 def _wrap(block: nn.Module, **kwargs) -> nn.Module:

@@ -105,15 +105,22 @@ class ContextParallelAttention(nn.Module):
         return whole_documents(local, self.group, self.cp)
 
 
-@torch.compiler.disable
 def whole_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """The whole sequence's document numbers [batch, 2·CP·L] from each rank's [batch, 2L], gathered in global
-    order. Every layer of a forward asks with the same tensor: gathered once."""
+    order. Every layer of an eager forward asks with the same tensor: gathered once. Compiled blocks (compiled
+    whole-graph) gather their own, traced: [batch, 2L] integers, small beside attention's all-to-alls."""
+    if torch.compiler.is_compiling():
+        return _gather_documents(local, group, cp)
     if _gathered[0] is not local:
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        _gathered[:] = [local, _in_order(parts, cp, dim=1)]
+        _gathered[:] = [local, _gather_documents(local, group, cp)]
     return _gathered[1]
+
+
+def _gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """An all-to-all that sends every rank the same piece is an all-gather (gloo lacks all_gather_into_tensor);
+    torch's functional one traces under compile."""
+    parts = funcol.all_to_all_single(local.expand(cp, *local.shape).contiguous(), None, None, group)
+    return _in_order(parts.unbind(0), cp, dim=1)
 
 
 _gathered: list = [None, None]  # (local document numbers, the whole sequence's) of the last forward
