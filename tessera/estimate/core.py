@@ -20,7 +20,7 @@ from tessera import architecture, models
 from tessera.checkpoint.manager import find_resume
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
-from tessera.estimate import pipeline, trace
+from tessera.estimate import pipeline, scans, trace
 from tessera.estimate.cost import Cluster, StepTime, replica_sync, step_time
 from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
@@ -119,7 +119,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     t = cfg.training
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
     bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
-    with trace.gpu_kernels(device == "cuda"):
+    with trace.gpu_kernels(device == "cuda"), scans.scans_at_once():
         kinds = _whole(cfg, dims, args, spec, grad_accum, bos, exact) if dims.pp == 1 else \
             _pipelined(cfg, dims, args, spec, grad_accum, exact)
     if t.enable_cpu_offload:
