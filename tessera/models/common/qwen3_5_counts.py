@@ -25,6 +25,14 @@ def deltanet_flops_per_token(a, chunk: int = CHUNK) -> float:
     return 6 * a.linear_v_heads * (3 * dk * dv + chunk * (2 * dk + 2 * dv))
 
 
+def deltanet_act(a, chunk: int = CHUNK) -> float:
+    """Elements (2-byte) the chunked DeltaNet's forward keeps per token for backward, counted low: per value head,
+    in fp32, the state entering each chunk (dk dv / chunk a token), the corrections, the solved u and w, the
+    chunk's attention row, the decayed q and k (2 dv + 3 dk + chunk)."""
+    dk, dv = a.linear_k_dim, a.linear_v_dim
+    return 2 * a.linear_v_heads * (dk * dv / chunk + 2 * dv + 3 * dk + chunk)
+
+
 def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Counts:
     """`ffn_params`/`ffn_active`: one block's FFN, all of it and what one token uses. Attention FLOPs grow with
     the sequence only in the full-attention blocks (12 H hd S each); a DeltaNet block's are constant per token."""
@@ -37,7 +45,8 @@ def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Count
     params, active = common + args.n_layers * ffn_params, common + args.n_layers * ffn_active
     flops = 6 * (active - embedding) + 12 * full * args.n_heads * args.head_dim * seq_len \
         + linear * deltanet_flops_per_token(args)
-    return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
+    return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops,
+                  extra_act=linear * deltanet_act(args) / args.n_layers)
 
 
 def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
