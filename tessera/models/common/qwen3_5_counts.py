@@ -26,11 +26,12 @@ def deltanet_flops_per_token(a, chunk: int = CHUNK) -> float:
 
 
 def deltanet_act(a, chunk: int = CHUNK) -> float:
-    """Elements (2-byte) the chunked DeltaNet's forward keeps per token for backward, counted low: per value head,
-    in fp32, the state entering each chunk (dk dv / chunk a token), the corrections, the solved u and w, the
-    chunk's attention row, the decayed q and k (2 dv + 3 dk + chunk)."""
+    """Elements (2-byte) the chunked DeltaNet's forward keeps per token for backward, counted low (about half of what
+    a layer traced at 35B-A3B's shape keeps): per value head, in fp32, the state entering each chunk (dk dv / chunk
+    a token); q, k, k * beta, the solved w, the decayed q and k (dk each); v, the solved u, the corrections (dv
+    each); the chunk's decay, attention and triangular system rows (chunk each)."""
     dk, dv = a.linear_k_dim, a.linear_v_dim
-    return 2 * a.linear_v_heads * (dk * dv / chunk + 2 * dv + 3 * dk + chunk)
+    return 2 * a.linear_v_heads * (dk * dv / chunk + 6 * dk + 3 * dv + 3 * chunk)
 
 
 def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Counts:
