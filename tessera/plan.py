@@ -220,7 +220,8 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     # and attention's output, a SwiGLU's four (or the dispatched rows and each expert's four); selective op AC, the
     # block's input, attention's output and every other matmul's (one of the SwiGLU's at least); full AC, the input.
     block = 4 * args.dim + 2 * heads * hd + 2 * args.n_kv_heads * hd + 4 * dense_ffn \
-        + (sparse and sparse * (moe.top_k * (args.dim + 4 * moe.hidden) + 4 * moe.n_shared * moe.hidden))
+        + (sparse and sparse * (moe.top_k * (args.dim + 4 * moe.hidden) + 4 * moe.n_shared * moe.hidden)) \
+        + counts.extra_act
     ac = cfg.activation_checkpoint
     saved_op = args.dim + heads * hd + dense_ffn + (sparse and sparse * moe.n_shared * moe.hidden)
     kept = {"none": block, "full": args.dim}.get(ac.mode, saved_op if ac.selective_ac_option == "op"

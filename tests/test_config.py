@@ -440,7 +440,7 @@ BIG = {
     "llama4_scout.toml": (64, ("parallelism.expert_parallel_degree",)),
     "llama4_maverick.toml": (256, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
     "qwen3_5_9b.toml": (8, ()),
-    "qwen3_5_35b_a3b.toml": (16, ("parallelism.expert_parallel_degree",)),
+    "qwen3_5_35b_a3b.toml": (16, ("parallelism.pipeline_parallel_degree",)),
 }
 
 

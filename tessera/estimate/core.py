@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from tessera import architecture, models
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
-from tessera.estimate import pipeline, trace
+from tessera.estimate import pipeline, scans, trace
 from tessera.estimate.cost import Cluster, StepTime, replica_sync, step_time
 from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
@@ -126,7 +126,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
                                 run.resume.path if run.resume else None)
     t, grad_accum = cfg.training, run.batch.accumulation
     bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
-    with trace.gpu_kernels(device == "cuda"):
+    with trace.gpu_kernels(device == "cuda"), scans.scans_at_once():
         kinds = _whole(cfg, dims, args, spec, grad_accum, bos, sampling) if dims.pp == 1 else \
             _pipelined(cfg, dims, args, spec, grad_accum, sampling)
     if t.enable_cpu_offload:

@@ -36,6 +36,8 @@ class Counts:
     active: int  # those one token uses (below params for mixture-of-experts layers)
     embedding: int  # the input embedding: a lookup, no FLOPs (0 when it doubles as the output head)
     flops_per_token: float  # training (forward + backward) FLOPs per token at the given sequence length
+    extra_act: float = 0.0  # 2-byte elements a token's forward keeps per block (mean over blocks) beyond what
+    # tessera.plan.floor counts for attention and the FFN, without checkpointing (a linear-attention mixer's)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     attn = (q @ k.transpose(-1, -2)) * pair
     q_read, k_write = q * reads[..., None], k * writes[..., None]
     s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
+    out, s = delta_scan(u, w, q_read, attn, k_write, carry, s)
+    out = out.reshape(bsz, heads, -1, dv)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype), s
+
+
+def delta_scan(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, attn: torch.Tensor, k_write: torch.Tensor,
+               carry: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan across chunks (all [batch, heads, chunks, chunk, ...]; `s` the state before the first): each
+    chunk reads the state, corrects it and carries it on. -> (out [batch, heads, chunks, chunk, dv], final state)"""
     outs = []
     # unbound once: indexing chunk i in the loop would make backward allocate a whole-size gradient per chunk
     for u_i, w_i, q_i, attn_i, k_i, carry_i in zip(*(x.unbind(2) for x in (u, w, q_read, attn, k_write, carry)),
@@ -94,8 +103,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         new = u_i - w_i @ s  # each position's correction of what the state predicts
         outs.append(q_i @ s + attn_i @ new)
         s = s * carry_i[..., None] + k_i.transpose(-1, -2) @ new
-    out = torch.stack(outs, dim=2).reshape(bsz, heads, -1, dv)[:, :, :seq]
-    return out.transpose(1, 2).to(dtype), s
+    return torch.stack(outs, dim=2), s
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

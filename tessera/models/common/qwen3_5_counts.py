@@ -25,6 +25,15 @@ def deltanet_flops_per_token(a, chunk: int = CHUNK) -> float:
     return 6 * a.linear_v_heads * (3 * dk * dv + chunk * (2 * dk + 2 * dv))
 
 
+def deltanet_act(a, chunk: int = CHUNK) -> float:
+    """Elements (2-byte) the chunked DeltaNet's forward keeps per token for backward, counted low (about half of what
+    a layer traced at 35B-A3B's shape keeps): per value head, in fp32, the state entering each chunk (dk dv / chunk
+    a token); q, k, k * beta, the solved w, the decayed q and k (dk each); v, the solved u, the corrections (dv
+    each); the chunk's decay, attention and triangular system rows (chunk each)."""
+    dk, dv = a.linear_k_dim, a.linear_v_dim
+    return 2 * a.linear_v_heads * (dk * dv / chunk + 6 * dk + 3 * dv + 3 * chunk)
+
+
 def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Counts:
     """`ffn_params`/`ffn_active`: one block's FFN, all of it and what one token uses. Attention FLOPs grow with
     the sequence only in the full-attention blocks (12 H hd S each); a DeltaNet block's are constant per token."""
@@ -37,7 +46,8 @@ def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Count
     params, active = common + args.n_layers * ffn_params, common + args.n_layers * ffn_active
     flops = 6 * (active - embedding) + 12 * full * args.n_heads * args.head_dim * seq_len \
         + linear * deltanet_flops_per_token(args)
-    return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
+    return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops,
+                  extra_act=linear * deltanet_act(args) / args.n_layers)
 
 
 def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
