@@ -3,6 +3,10 @@
     python -m tessera.convert dcp-to-hf   STEP_DIR HF_DIR  [--model.name N] [--model.flavor F] [--dtype bfloat16]
     python -m tessera.convert hf-to-dcp   HF_DIR STEP_DIR  [--model.name N] [--model.flavor F] [--dtype bfloat16]
     python -m tessera.convert dcp-to-torch STEP_DIR OUT.pt
+    python -m tessera.convert MODE SRC DST --model.name N   # a family's own formats (ModelSpec.convert)
+
+Flux's: bfl-to-diffusers, diffusers-to-bfl, bfl-vae-to-diffusers, diffusers-vae-to-bfl (Black Forest Labs'
+single files both ways).
 
 The destination must be new or empty; --overwrite replaces it whole, once the conversion has succeeded.
 
@@ -124,17 +128,16 @@ def dcp_to_torch(src: Path, dst: Path, opts) -> None:
     dcp_to_torch_save(str(src), str(dst))
 
 
-def _check_destination(src: Path, dst: Path, mode: str, overwrite: bool) -> None:
-    """Before any work: dst can be written (a folder, or for dcp-to-torch a file), and holds nothing unless
-    --overwrite asks to replace it."""
-    kind = "file" if mode == "dcp-to-torch" else "folder"
+def _check_destination(src: Path, dst: Path, mode: str, kind: str, overwrite: bool) -> None:
+    """Before any work: dst can be written (`kind`: a folder, or a file), and holds nothing unless --overwrite asks
+    to replace it."""
     for parent in dst.parents:
         if parent.exists() and not parent.is_dir():
             raise HFError(f"'{parent}' is a file, so '{dst}' cannot be created; give a {kind} path under a folder")
     if kind == "folder" and dst.exists() and not dst.is_dir():
         raise HFError(f"'{dst}' is a file; {mode} writes a folder: give a new or empty folder's path")
     if kind == "file" and dst.is_dir():
-        raise HFError(f"'{dst}' is a folder; dcp-to-torch writes one file: give its path (e.g. {dst / 'model.pt'})")
+        raise HFError(f"'{dst}' is a folder; {mode} writes one file: give its path (e.g. {dst / 'model.pt'})")
     if dst.exists() and (dst.is_file() or any(dst.iterdir())):
         if not overwrite:
             raise HFError(f"'{dst}' already exists{' and is not empty' if dst.is_dir() else ''}; give a new or "
@@ -159,10 +162,29 @@ def _write_then_replace(run, src: Path, dst: Path, opts) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _conversion(p: argparse.ArgumentParser, opts) -> tuple[str, object]:
+    """(what the mode writes: "file" or "folder", the function (src, dst, opts)): ours, or the family's own."""
+    ours = {"dcp-to-hf": ("folder", dcp_to_hf), "hf-to-dcp": ("folder", hf_to_dcp),
+            "dcp-to-torch": ("file", dcp_to_torch)}
+    if opts.mode in ours:
+        return ours[opts.mode]
+    name = getattr(opts, "model.name")
+    if name not in models.FAMILIES:
+        p.exit(2, f"{p.prog}: error: mode '{opts.mode}': not one of {', '.join(ours)}; a family's own conversion "
+                  f"needs --model.name (one of {', '.join(models.FAMILIES)})\n")
+    theirs = models.family(name).spec().convert
+    if opts.mode not in theirs or opts.dtype is not None or getattr(opts, "model.flavor") is not None:
+        p.exit(2, f"{p.prog}: error: mode '{opts.mode}' with --model.name {name}: "
+                  + ("its conversions take no --dtype or --model.flavor\n" if opts.mode in theirs else
+                     f"{name}'s conversions are {', '.join(theirs) or 'none'}; ours {', '.join(ours)}\n"))
+    kind, write = theirs[opts.mode]
+    return kind, lambda src, dst, _: write(src, dst)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tessera.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("dcp-to-hf", "hf-to-dcp", "dcp-to-torch"))
+    p.add_argument("mode", help="dcp-to-hf, hf-to-dcp, dcp-to-torch, or one of the family's (--model.name)")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--model.name", default=None)
@@ -174,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     opts.dtype = DTYPES.get(opts.dtype)
     if not opts.src.exists():
         p.exit(2, f"{p.prog}: error: no such file or folder '{opts.src}'\n")
-    run = {"dcp-to-hf": dcp_to_hf, "hf-to-dcp": hf_to_dcp, "dcp-to-torch": dcp_to_torch}[opts.mode]
+    kind, run = _conversion(p, opts)
     try:
-        _check_destination(opts.src, opts.dst, opts.mode, opts.overwrite)
+        _check_destination(opts.src, opts.dst, opts.mode, kind, opts.overwrite)
         _write_then_replace(run, opts.src, opts.dst, opts)
     except (HFError, ConfigError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")

@@ -552,3 +552,34 @@ def test_vae_bfl_names_both_ways_agree_with_diffusers_converter():
     for key, value in ours.items():
         torch.testing.assert_close(theirs[key], value, rtol=0, atol=0, msg=key)
         torch.testing.assert_close(imported[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_convert_runs_the_bfl_conversions_both_ways(tmp_path, capsys):
+    """`python -m tessera.convert` runs the family's own conversions (ModelSpec.convert): BFL's single file to a
+    diffusers folder and back gives every tensor exactly; an unknown mode, or one without its family, is refused
+    in one line, and an existing destination is not overwritten."""
+    from safetensors.torch import load_file, save_file
+
+    from tessera.convert import main
+    from tessera.models.flux import bfl
+
+    with torch.device("meta"):
+        model = FLUX.spec().model(FLUX.flavors["flux-debug"])
+    gen = torch.Generator().manual_seed(0)
+    ours = {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    save_file(bfl.to_bfl(ours), tmp_path / "flux1.safetensors")
+    assert main(["bfl-to-diffusers", str(tmp_path / "flux1.safetensors"), str(tmp_path / "folder"),
+                 "--model.name", "flux"]) == 0
+    imported = load_file(tmp_path / "folder" / "diffusion_pytorch_model.safetensors")
+    assert imported.keys() == ours.keys() and (tmp_path / "folder" / "config.json").is_file()
+    assert main(["diffusers-to-bfl", str(tmp_path / "folder"), str(tmp_path / "back.safetensors"),
+                 "--model.name", "flux"]) == 0
+    back = load_file(tmp_path / "back.safetensors")
+    for key, value in bfl.to_bfl(ours).items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+    for argv, says in [(["bfl-to-diffusers", "flux1.safetensors", "new"], "needs --model.name"),
+                       (["to-bfl", "folder", "x.safetensors", "--model.name", "flux"], "flux's conversions are"),
+                       (["diffusers-to-bfl", "folder", "back.safetensors", "--model.name", "flux"], "already exists")]:
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / a) if i in (1, 2) else a for i, a in enumerate(argv)])
+        assert e.value.code == 2 and says in capsys.readouterr().err

@@ -15,9 +15,6 @@ from scripts.import_floors import GRAPH, MODULES, ROOT, family_of, under
 pytestmark = pytest.mark.fast
 
 ABOVE_FAMILIES = {"tessera.trainer", "tessera.train", "tessera.generate", "tessera.plan", "tessera.estimate"}
-# Commands left inside a family's folder, each with why (a family gives functions, never a command).
-FAMILY_COMMANDS_LEFT = {"tessera.models.flux.bfl": "Black Forest Labs' single-file names both ways; it imports only "
-                                                   "its own family: a generic conversion command is a follow-up"}
 
 
 def test_config_imports_nothing_else_of_tessera():
@@ -117,7 +114,7 @@ def test_the_floor_rule_finds_what_climbs():
 
 def test_commands_are_on_the_top_floor_only():
     """What runs as a program (`python -m ...`) sits on the top floor, and nothing below it runs as one."""
-    assert floors.commands_below_top() == sorted(FAMILY_COMMANDS_LEFT)
+    assert floors.commands_below_top() == []  # a family gives functions (ModelSpec), never a command
     top = {m for m in MODULES if floors.position(floors.part_of(m)[1])[0] == floors.TOP}
     assert {"tessera.train", "tessera.generate", "tessera.convert", "tessera.plan", "tessera.estimate.__main__",
             "tessera.loss_compare", "tessera.cache", "tessera.config_cli", "tessera.config.__main__"} <= top

@@ -3,16 +3,18 @@ Tessera's (diffusers') for the Flux transformer: q, k, v fused per stream (`img_
 single blocks' q, k, v and MLP input fused (`linear1`) and their outputs (`linear2`), the final adaLN in (shift,
 scale) order where diffusers keeps (scale, shift). Both ways split and concatenate along dim 0 only.
 
-    python -m tessera.models.flux.bfl to-diffusers flux1-schnell.safetensors OUT   # then checkpoint.initial_load_path
-    python -m tessera.models.flux.bfl to-bfl EXPORT_FOLDER OUT/flux.safetensors     # an export in BFL's names
-    python -m tessera.models.flux.bfl vae-to-diffusers ae.safetensors OUT/vae       # the Flux VAE's config.json
-    python -m tessera.models.flux.bfl vae-to-bfl VAE_FOLDER OUT/ae.safetensors
+Run by `python -m tessera.convert MODE SRC DST --model.name flux` (the family's `ModelSpec.convert`):
+
+    bfl-to-diffusers flux1-schnell.safetensors OUT   # then checkpoint.initial_load_path
+    diffusers-to-bfl EXPORT_FOLDER OUT/flux.safetensors     # an export in BFL's names
+    bfl-vae-to-diffusers ae.safetensors OUT/vae       # with the Flux VAE's config.json
+    diffusers-vae-to-bfl VAE_FOLDER OUT/ae.safetensors
 """
 
 import json
 import os
 import re
-import sys
+from pathlib import Path
 
 import torch
 
@@ -117,60 +119,57 @@ def config_of(state: dict, axes_dim=(16, 56, 56)) -> dict:
             "guidance_embeds": "guidance_in.in_layer.weight" in state, "axes_dims_rope": list(axes_dim)}
 
 
-def main(argv: list[str]) -> int:
+def write_diffusers(src: Path, dst: Path) -> None:
+    """BFL's single file -> a diffusers transformer folder (weights and config.json)."""
     from safetensors.torch import load_file, save_file
 
-    if len(argv) != 3 or argv[0] not in ("to-diffusers", "to-bfl", "vae-to-diffusers", "vae-to-bfl"):
-        print(__doc__, file=sys.stderr)
-        return 2
-    mode, src, dst = argv
-    if mode.startswith("vae-"):
-        return _vae_main(mode, src, dst)
-    if mode == "to-diffusers":
-        state = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(src).items()}
-        os.makedirs(dst, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in from_bfl(state).items()},
-                  os.path.join(dst, "diffusion_pytorch_model.safetensors"))
-        with open(os.path.join(dst, "config.json"), "w") as fh:
-            json.dump(config_of(state), fh, indent=2)
-    else:
-        state = {}
-        for name in sorted(os.listdir(src)):
-            if name.endswith(".safetensors"):
-                state.update(load_file(os.path.join(src, name)))
-        save_file({k: v.contiguous() for k, v in to_bfl(state).items()}, dst)
-    print(dst)
-    return 0
+    state = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(src).items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in from_bfl(state).items()}, dst / "diffusion_pytorch_model.safetensors")
+    (dst / "config.json").write_text(json.dumps(config_of(state), indent=2))
 
 
-def _vae_main(mode: str, src: str, dst: str) -> int:
+def write_bfl(src: Path, dst: Path) -> None:
+    """A diffusers transformer folder (an export) -> BFL's single file."""
+    from safetensors.torch import load_file, save_file
+
+    state = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(src / name))
+    save_file({k: v.contiguous() for k, v in to_bfl(state).items()}, dst)
+
+
+def write_vae_diffusers(src: Path, dst: Path) -> None:
+    """BFL's ae.safetensors -> a diffusers AutoencoderKL folder; the file carries no config: the FLUX.1 VAE's
+    (VAEArgs' defaults)."""
     import dataclasses
 
     from safetensors.torch import load_file, save_file
 
     from tessera.models.flux.vae import VAEArgs
 
-    if mode == "vae-to-diffusers":  # ae.safetensors carries no config: the FLUX.1 VAE's (VAEArgs' defaults)
-        args = VAEArgs()
-        os.makedirs(dst, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in vae_from_bfl(load_file(src), len(args.block_out_channels)).items()},
-                  os.path.join(dst, "diffusion_pytorch_model.safetensors"))
-        with open(os.path.join(dst, "config.json"), "w") as fh:
-            levels = len(args.block_out_channels)
-            json.dump({"_class_name": "AutoencoderKL", **dataclasses.asdict(args), "out_channels": 3,
-                       "down_block_types": ["DownEncoderBlock2D"] * levels,
-                       "up_block_types": ["UpDecoderBlock2D"] * levels}, fh, indent=2)
-    else:
-        with open(os.path.join(src, "config.json")) as fh:
-            levels = len(json.load(fh)["block_out_channels"])
-        state = load_file(os.path.join(src, "diffusion_pytorch_model.safetensors"))
-        save_file({k: v.contiguous() for k, v in vae_to_bfl(state, levels).items()}, dst)
-    print(dst)
-    return 0
+    args = VAEArgs()
+    levels = len(args.block_out_channels)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in vae_from_bfl(load_file(src), levels).items()},
+              dst / "diffusion_pytorch_model.safetensors")
+    (dst / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", **dataclasses.asdict(args),
+                                                 "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * levels,
+                                                 "up_block_types": ["UpDecoderBlock2D"] * levels}, indent=2))
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def write_vae_bfl(src: Path, dst: Path) -> None:
+    """A diffusers AutoencoderKL folder -> BFL's ae.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    levels = len(json.loads((src / "config.json").read_text())["block_out_channels"])
+    state = load_file(src / "diffusion_pytorch_model.safetensors")
+    save_file({k: v.contiguous() for k, v in vae_to_bfl(state, levels).items()}, dst)
+
+
+CONVERSIONS = {"bfl-to-diffusers": ("folder", write_diffusers), "diffusers-to-bfl": ("file", write_bfl),
+               "bfl-vae-to-diffusers": ("folder", write_vae_diffusers), "diffusers-vae-to-bfl": ("file", write_vae_bfl)}
 
 
 # The autoencoder: BFL's ae.safetensors keeps the original latent-diffusion names (encoder.down.0.block.0, mid.attn_1
