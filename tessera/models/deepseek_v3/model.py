@@ -93,12 +93,6 @@ class MTPDepth(nn.Module):
         return self.norm(self.block(x, rope, documents=documents))
 
 
-def _rows_ahead(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [batch, seq, dim] with row i holding row i + k (the last row past the end): Lookahead.shift of the
-    tokens, on their embeddings."""
-    return torch.cat([x[:, k:], x[:, -1:].expand(-1, min(k, x.shape[1]), -1)], dim=1)
-
-
 class DeepSeekV3(Decoder):
     """The shared decoder with MLA blocks (dense SwiGLU for the first `first_k_dense`, DeepSeek MoE after), and
     `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side loss)."""
@@ -190,7 +184,10 @@ class DeepSeekV3(Decoder):
         for k, depth in enumerate(self.mtp.values(), 1):
             rope = self.rope if positions is None else self.rope[ahead(positions, k)]
             docs = None if documents is None else ahead(documents, k)
-            inputs = self.tok_embeddings(ahead(tokens, k)) if embeddings is None else _rows_ahead(embeddings, k)
+            if embeddings is None:
+                inputs = self.tok_embeddings(ahead(tokens, k))
+            else:  # the tokens' shift, on their embeddings (along the sequence, dim 1)
+                inputs = Lookahead.shift(embeddings.transpose(1, 2), k).transpose(1, 2)
             h = depth(h, inputs, rope, docs)
             out.append(h)
         return out
