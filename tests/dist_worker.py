@@ -1,16 +1,28 @@
-"""Runs training cases in one launch and saves what the tests compare.
+"""Runs training cases on a pool of ranks and saves what the tests compare.
 
-    torchrun --nproc_per_node=N tests/dist_worker.py OUT.pt STEPS MODE -- <case 1 flags> -- <case 2 flags> ...
+    torchrun --nproc_per_node=N tests/dist_worker.py QUEUE_DIR
 
-MODE "grads": per-step losses and step-1 gradients (full tensors), in a temporary dump folder.
-MODE "train": the real `train()` loop (checkpoints and resume included, in the case's dump folder):
+The ranks stay up for the whole test run (tests/launch.py's `RankPool` starts them once per world size, so the
+~8 s of a launch is paid once, not per test): each job is a file `QUEUE_DIR/job-K.pt` holding (function, cases,
+steps), the function named "module:name" and called as function(case, steps) for each case in order; rank 0
+writes the list of what it returned to `result-K.pt`. A rank that fails writes `error-K-RANK.txt` and exits,
+which ends the pool (torchrun stops the other ranks); the next job starts a fresh one.
+
+run_grads: per-step losses and step-1 gradients (full tensors), in a temporary dump folder.
+run_train: the real `train()` loop (checkpoints and resume included, in the case's dump folder):
 per-step losses, the ids (content hashes) of the samples each step consumed over all DP ranks, and the
 final parameters. The same functions run in-process for single-process references.
 """
 
+import importlib
+import itertools
+import os
 import sys
 import tempfile
+import time
+import traceback
 import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -102,20 +114,30 @@ def run_train(argv: list[str], steps: int) -> dict:
                 "params": full_params(tr.model), "biases": expert_biases(tr.model), "history": tr.history}
 
 
-def split_cases(argv: list[str]) -> list[list[str]]:
-    cases = []
-    for a in argv:
-        if a == "--":
-            cases.append([])
-        else:
-            cases[-1].append(a)
-    return cases
+def serve(queue: Path) -> None:
+    """Run each job put in `queue` until a `stop` file appears (see the module docstring)."""
+    rank = int(os.environ["RANK"])
+    for k in itertools.count():
+        job = queue / f"job-{k}.pt"
+        while not job.exists():
+            if (queue / "stop").exists():
+                shutdown(clean=True)
+                return
+            time.sleep(0.02)
+        target, cases, steps = torch.load(job)
+        torch._dynamo.reset()  # a compiled case starts cold, as in a process of its own
+        try:
+            module, name = target.split(":")
+            fn = getattr(importlib.import_module(module), name)
+            results = [fn(case, steps) for case in cases]
+        except BaseException:
+            (queue / f"error-{k}-{rank}.txt").write_text(traceback.format_exc())
+            sys.stderr.flush()
+            os._exit(1)  # torchrun ends the other ranks, which may wait in a collective
+        if rank == 0:
+            torch.save(results, queue / f"result-{k}.tmp")
+            os.replace(queue / f"result-{k}.tmp", queue / f"result-{k}.pt")
 
 
 if __name__ == "__main__":
-    out, steps, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    run = {"grads": run_grads, "train": run_train}[mode]
-    results = [run(case, steps) for case in split_cases(sys.argv[4:])]
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    shutdown(clean=True)
+    serve(Path(sys.argv[1]))

@@ -1,10 +1,14 @@
-"""Run the trainer in-process (1 rank) or under torchrun (N ranks) and read back its metrics.jsonl."""
+"""Run the trainer in-process (1 rank), on a pool of ranks that lives for the test run, or under torchrun (N ranks)
+and read back what it computed."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +53,7 @@ def run_local(dump: Path, *args: str) -> list[dict]:
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    check_marked()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "tessera.train", *args]
@@ -56,24 +61,130 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
 
 
 def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
-    proc = torchrun(nproc, *merge(TINY, ["--job.dump_folder", str(dump)], args))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """The trainer (tests/dist_worker.py's run_train: build_trainer, then train) on `nproc` ranks of the pool, in
+    `dump`; its metrics.jsonl. What the launch itself does is tested where it matters (signals, launchers, errors)."""
+    on_ranks(nproc, "tests.dist_worker:run_train", [merge(TINY, ["--job.dump_folder", str(dump)], args)], 5)
     return read_metrics(dump)
 
 
-def run_cases(nproc: int, tmp: Path, cases: list[list[str]], steps: int = 5, mode: str = "grads",
-              timeout: int = 600) -> list[dict]:
-    """Several training cases in ONE torchrun launch (start-up dominates); see tests/dist_worker.py."""
+class RankPool:
+    """`nproc` ranks under one torchrun that run job after job (tests/dist_worker.py's `serve`): a test pays for
+    its cases, not for starting torch in every rank again."""
+
+    def __init__(self, nproc: int):
+        self.nproc, self.jobs = nproc, 0
+        self.queue = Path(tempfile.mkdtemp(prefix=f"tessera-ranks{nproc}-"))
+        self.log = open(self.queue / "ranks.log", "w")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "tests" / "dist_worker.py"), str(self.queue)]
+        self.proc = subprocess.Popen(cmd, env=_RANK_ENV, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def run(self, target: str, cases: list, steps: int, timeout: float) -> list:
+        k, self.jobs = self.jobs, self.jobs + 1
+        torch_save((target, cases, steps), self.queue / f"job-{k}.pt")
+        result, deadline = self.queue / f"result-{k}.pt", time.monotonic() + timeout
+        while not result.exists():
+            errors = sorted(self.queue.glob(f"error-{k}-*.txt"))
+            if errors or self.proc.poll() is not None or time.monotonic() > deadline:
+                time.sleep(0.5)  # the failing rank's last lines reach the log
+                why = "".join(f"--- {e.name}\n{e.read_text()}" for e in errors) or \
+                    ("the ranks exited" if self.proc.poll() is not None else f"no result after {timeout} s")
+                why = f"{self.nproc} ranks, {target}: {why}\n{self.log_tail()}"
+                self.close()
+                raise AssertionError(why)
+            time.sleep(0.02)
+        import torch
+
+        return torch.load(result)
+
+    def log_tail(self, chars: int = 5000) -> str:
+        return (self.queue / "ranks.log").read_text()[-chars:]
+
+    def close(self) -> None:
+        if self.log.closed:
+            return
+        (self.queue / "stop").touch()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        shutil.rmtree(self.queue, ignore_errors=True)
+        self.log.close()
+        if _pools.get(self.nproc) is self:
+            del _pools[self.nproc]
+
+
+_RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # as at start: tests' setenv stay out
+_pools: dict[int, RankPool] = {}
+# Then a fresh pool: every mesh a job builds leaves its gloo groups behind (destroying them breaks the device meshes
+# torch caches by layout), and their threads poll while the ranks wait, ~0.06% of a core per group.
+JOBS_PER_POOL = 8
+KEEP_UP_TO = 8  # ranks of a pool kept up between jobs
+
+
+def may_start_ranks(marked: bool, test: str) -> None:
+    """Set by tests/conftest.py before each test: whether it is marked `ranks` (run serially, on one xdist worker)."""
+    _running.update(marked=marked, test=test)
+
+
+def check_marked() -> None:
+    """A test that starts ranks unmarked would run beside another one's ranks on two cores: say so."""
+    assert _running["marked"] or "PYTEST_XDIST_WORKER" not in os.environ, \
+        f"{_running['test']} starts ranks: mark it @pytest.mark.ranks (tests/conftest.py says why)"
+
+
+_running = {"marked": True, "test": ""}
+
+
+def on_ranks(nproc: int, target: str, cases: list, steps: int, timeout: float = 600, fresh: bool = False) -> list:
+    """target(case, steps) for each case on a pool of `nproc` ranks; what rank 0 returned, in order. `fresh`: on
+    ranks that ran nothing before (a case that needs what no earlier case imported)."""
+    check_marked()
+    pool = _pools.get(nproc)
+    if pool is None or fresh or pool.jobs >= JOBS_PER_POOL or pool.proc.poll() is not None:
+        if pool is not None:
+            pool.close()
+        pool = _pools[nproc] = RankPool(nproc)
+    try:
+        return pool.run(target, cases, steps, timeout)
+    finally:
+        if nproc > KEEP_UP_TO:  # one test uses it; idle, its ranks would hold ~0.4 GiB each
+            pool.close()
+
+
+def close_pools() -> None:
+    for pool in list(_pools.values()):
+        pool.close()
+
+
+def run_cases(nproc: int, cases: list[list[str]], steps: int = 5, mode: str = "grads",
+              timeout: int = 600, fresh: bool = False) -> list[dict]:
+    """Several training cases on `nproc` ranks (tests/dist_worker.py's run_grads or run_train)."""
+    return on_ranks(nproc, f"tests.dist_worker:run_{mode}", cases, steps, timeout, fresh)
+
+
+def one_process(argv: list[str], steps: int) -> dict:
+    """tests/dist_worker.py's run_grads in this process, computed once per test run for each (argv, steps): the
+    single-process reference that every layout compared with it shares. Callers must not change what it returns."""
+    key = (tuple(merge(argv)), steps)
+    if key not in _references:
+        from tests.dist_worker import run_grads
+
+        _references[key] = run_grads(argv, steps)
+    return _references[key]
+
+
+_references: dict[tuple, dict] = {}
+
+
+def torch_save(obj, path: Path) -> None:
+    """Written whole or not at all: the ranks poll for the file."""
     import torch
 
-    out = tmp / "results.pt"
-    flat = [a for case in cases for a in ("--", *case)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "dist_worker.py"), str(out), str(steps), mode, *flat]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.load(out)
+    torch.save(obj, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def assert_matches(got: dict, ref: dict, tol: float, what: tuple[str, ...] = ("grads",)) -> None:

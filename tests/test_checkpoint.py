@@ -87,11 +87,12 @@ def two_rank_run(tmp_path_factory):
     """A 2-rank FSDP run with checkpoints every 4 steps, saved asynchronously (the torchrun tests save in step):
     the source of the resume tests below."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    (res,) = run_cases(2, tmp, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT,
+    (res,) = run_cases(2, [["--job.dump_folder", str(tmp / "run"), "--training.local_batch_size", "4", *CKPT,
                                  "--checkpoint.async_mode", "async"]], STEPS, mode="train")
     return tmp / "run", res
 
 
+@pytest.mark.ranks
 def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_run):
     src, full = two_rank_run
     step = src / "checkpoint/step-4"  # each rank's shard hashed as written, every digest gathered to rank 0
@@ -99,10 +100,10 @@ def test_exact_resume_two_ranks_and_elastic_to_one_and_four(tmp_path, two_rank_r
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "config.toml", "model.json"} == set(marker[DIGEST])
     assert marker[DIGEST] == {name: digest_file(str(step / name)) for name in marker["files"]}
     same = ["--job.dump_folder", str(resume_copy(src, tmp_path / "r2", 4)), "--training.local_batch_size", "4", *CKPT]
-    (exact,) = run_cases(2, tmp_path, [same], STEPS, mode="train")
+    (exact,) = run_cases(2, [same], STEPS, mode="train")
     one = run_train(["--job.dump_folder", str(resume_copy(src, tmp_path / "r1", 4)),
                      "--training.local_batch_size", "8", *CKPT], STEPS)
-    (four,) = run_cases(4, tmp_path, [["--job.dump_folder", str(resume_copy(src, tmp_path / "r4", 4)),
+    (four,) = run_cases(4, [["--job.dump_folder", str(resume_copy(src, tmp_path / "r4", 4)),
                                        "--training.local_batch_size", "2", *CKPT]], STEPS, mode="train")
     later = range(5, STEPS + 1)
     assert exact["start"] == one["start"] == four["start"] == 4
@@ -151,6 +152,7 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+@pytest.mark.ranks
 def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
     ref = _torchrun_train(tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
@@ -340,6 +342,7 @@ def test_async_contents_equal_sync_and_keep_latest_k(tmp_path):
     assert all("checkpoint_stall_s" in m for m in metrics if "loss" in m)
 
 
+@pytest.mark.ranks
 def test_seed_checkpoint_loaded_by_two_ranks(tmp_path):
     from tessera.train import main
     seed_dir = tmp_path / "seed"
@@ -349,7 +352,7 @@ def test_seed_checkpoint_loaded_by_two_ranks(tmp_path):
     shutil.copytree(seed_dir, tmp_path / "one")
     one = run_train(["--job.dump_folder", str(tmp_path / "one"), "--checkpoint.enable"], 3)
     shutil.copytree(seed_dir, tmp_path / "two")
-    (two,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "two"), "--checkpoint.enable",
+    (two,) = run_cases(2, [["--job.dump_folder", str(tmp_path / "two"), "--checkpoint.enable",
                                       "--training.local_batch_size", "4"]], 3, mode="train")
     fresh = run_train(["--job.dump_folder", str(tmp_path / "fresh")], 3)
     assert all(abs(two["losses"][s] - one["losses"][s]) < 1e-5 for s in (1, 2, 3))

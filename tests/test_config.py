@@ -297,6 +297,7 @@ def test_bad_input_one_line_exit_2_no_dump(tmp_path, monkeypatch, capsys, case, 
         assert not dump.exists()
 
 
+@pytest.mark.ranks
 def test_bad_config_under_torchrun_one_message_no_dump(tmp_path):
     dump = tmp_path / "dump"
     proc = torchrun(2, *TINY, "--job.dump_folder", str(dump), "--parallelism.data_parallel_shard_degree", "3",

@@ -357,6 +357,7 @@ def test_fp8_block_quantized_checkpoints_are_dequantized_on_import(tmp_path, blo
 _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 
 
+@pytest.mark.ranks
 def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     """4 ranks, with the bias update on, each equal to one process within 1e-5 (per-step losses and grad norms,
     step-1 gradients, final parameters): FSDP 4; EP 2 x FSDP 4 (experts sharded over both); PP 2 x EP 2 x
@@ -367,8 +368,7 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     on FP8 block-quantized weights (each rank dequantizing its own slices). And DeepSeek V3 671B's layout in
     small: PP 2 x FSDP 2 in bf16 with an MTP depth kept untrained, whose losses stay within bf16's 2% of one
     fp32 process and whose depth is saved as initialized."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
     model = ["--model.name", "deepseek_v3", "--moe.load_balance_rate", "1e-2"]
     debug, v2, mtp = ([*model, "--model.flavor", f] for f in ("debugmodel", "debugmodel_v2", "debugmodel_mtp"))
@@ -383,12 +383,12 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
                   ["--parallelism.tensor_parallel_degree", "2"])
     kept = [*mtp, "--training.mtp_loss_weight", "0"]
     op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
-    references = [run_grads([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, kept)]
+    references = [one_process([*m, batch, "8"], 4) for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, kept)]
     cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp, *op_ac],
              [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
              [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
-    *exact, bf16 = run_cases(4, tmp_path, cases, 4)
+    *exact, bf16 = run_cases(4, cases, 4)
     for got, reference in zip(exact, references[:-1], strict=True):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
     assert_matches(bf16, references[-1], 2e-2, what=())
@@ -396,16 +396,16 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     assert depth and all(torch.equal(bf16["params"][n], references[-1]["params"][n]) for n in depth)
 
 
+@pytest.mark.ranks
 def test_8_ranks_pp_x_ep_x_fsdp_x_tp_equal_one_process(tmp_path):
     """PP 2 x TP 2 x FSDP 2, EP 2 taking in the TP pairs: the dense block on the first stage."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
     model = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2"]
     layout = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
               "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
-    (got,) = run_cases(8, tmp_path, [[*model, "--training.local_batch_size", "4", *layout]], 4)
-    assert_matches(got, run_grads([*model, "--training.local_batch_size", "8"], 4), 1e-5, what=("grads", "params"))
+    (got,) = run_cases(8, [[*model, "--training.local_batch_size", "4", *layout]], 4)
+    assert_matches(got, one_process([*model, "--training.local_batch_size", "8"], 4), 1e-5, what=("grads", "params"))
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_mtp"])

@@ -219,6 +219,7 @@ def test_the_reference_lists_every_option_once():
     assert len(re.findall(r"^\| `[a-z0-9_]+` \|", text, flags=re.M)) == len(OPTIONS)
 
 
+@pytest.mark.ranks
 def test_the_readme_starts_with_the_two_commands_that_work_on_a_fresh_clone(tmp_path):
     lang, _, body, _ = _fences(ROOT / "README.md")[0]
     assert lang == "bash" and [c for c, _ in _commands(body)] == ["./run_train.sh", "./run_tests.sh"]

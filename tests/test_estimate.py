@@ -57,13 +57,14 @@ def measured(tmp_path_factory) -> dict[str, float]:
     out = {}
     for ranks in sorted({n for _, n, _ in VALIDATION}):
         cases = [(what, flags) for what, n, flags in VALIDATION if n == ranks]
-        results = run_cases(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"),
+        results = run_cases(ranks,
                             [[*flags, "--metrics.live_memory"] for _, flags in cases], STEPS, mode="train")
         for (what, _), result in zip(cases, results, strict=True):
             out[what] = max(h["live_peak_gib"] for h in result["history"] if h["step"] >= 2)
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("what, ranks, flags", VALIDATION, ids=[v[0] for v in VALIDATION])
 def test_estimate_peak_within_15_percent_of_the_measured_peak(what, ranks, flags, measured, tmp_path):
     cfg = parse_args(merge(BASE, ["--job.dump_folder", str(tmp_path)], flags))

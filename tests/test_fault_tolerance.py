@@ -14,6 +14,8 @@ from tessera.ft import local
 from tessera.ft.local import kill, wait_for
 from tests.launch import TINY, merge, read_metrics, run_dist
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks
+
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once, when torchft is first imported
 pytest.importorskip("torchft")
 

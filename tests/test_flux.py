@@ -197,6 +197,7 @@ def test_a_runs_loaders_share_its_encoders_and_the_next_run_builds_its_own():
     assert runs[0]["train"].text is not runs[1]["train"].text
 
 
+@pytest.mark.ranks
 def test_a_two_rank_run_resumes_on_one_rank_with_the_same_samples(tmp_path):
     """FSDP 2 with checkpoints every 3 steps, resumed from step 3 on one rank: the same global samples each step
     (none twice, none skipped), the losses and final parameters within 1e-5 (another reduction order)."""
@@ -204,7 +205,7 @@ def test_a_two_rank_run_resumes_on_one_rank_with_the_same_samples(tmp_path):
     from tests.launch import resume_copy, run_cases
 
     ckpt = [*MODEL, "--checkpoint.enable", "--checkpoint.interval", "3"]
-    (full,) = run_cases(2, tmp_path, [[*ckpt, "--job.dump_folder", str(tmp_path / "run"),
+    (full,) = run_cases(2, [[*ckpt, "--job.dump_folder", str(tmp_path / "run"),
                                        "--training.local_batch_size", "4"]], 6, mode="train")
     one = run_train([*ckpt, "--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "one", 3)),
                      "--training.local_batch_size", "8"], 6)
@@ -235,23 +236,23 @@ def test_the_debug_model_trains_and_resumes_exactly(tmp_path):
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full[20:]]
 
 
+@pytest.mark.ranks
 def test_fsdp_cp_ac_and_compile_equal_one_process(tmp_path):
     """2 ranks: FSDP 2; CP 2 (each rank a chunk of the text and of the image tokens, bidirectional joint attention
     over the gathered keys and values); FSDP 2 with full AC and compiled blocks (and loss); FSDP 2 with selective
     (op) AC. 4 ranks: HSDP 2x2; CP 2 x FSDP 2.
     Losses, step-1 gradients and final parameters within 1e-5 of one process over the same global batch."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
     batch, cp = "--training.local_batch_size", ["--parallelism.context_parallel_degree", "2"]
-    reference = run_grads([*MODEL, batch, "8"], 3)
+    reference = one_process([*MODEL, batch, "8"], 3)
     ac = "--activation_checkpoint.mode"
     cases = [[*MODEL, batch, "4"], [*MODEL, batch, "8", *cp], [*MODEL, batch, "4", ac, "full", "--compile.enable"],
              [*MODEL, batch, "4", ac, "selective", "--activation_checkpoint.selective_ac_option", "op"]]
-    for got in run_cases(2, tmp_path, cases, 3):
+    for got in run_cases(2, cases, 3):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
     hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
-    for got in run_cases(4, tmp_path, [[*MODEL, batch, "2", *hsdp], [*MODEL, batch, "4", *cp]], 3):  # HSDP 2x2,
+    for got in run_cases(4, [[*MODEL, batch, "2", *hsdp], [*MODEL, batch, "4", *cp]], 3):  # HSDP 2x2,
         assert_matches(got, reference, 1e-5, what=("grads", "params"))  # CP 2 x FSDP 2
 
 

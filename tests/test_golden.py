@@ -16,6 +16,11 @@ from launch import ROOT, read_metrics
 pytestmark = pytest.mark.fast
 GOLDEN = ROOT / "tests" / "golden"
 TOLERANCE = 1e-5
+# Qwen 3.5's curve (the delta rule's chunked scan) carries a kernel's last-bit rounding into the loss, 10x every ~4
+# steps from step 10: on one AVX-512 machine, under ATen's AVX2 or unvectorized kernels, MKL's AVX2 path or 2 threads,
+# steps 1-10 agree within 5e-6 and step 20 differs by up to 3e-4 (relative). So its first 10 steps are held at
+# TOLERANCE and the rest at 1e-3, which a change to the model, its initialization, the data or the optimizer exceeds.
+LOOSER_AFTER = {"qwen3_5": (10, 1e-3)}  # family: (last step held at TOLERANCE, tolerance after it)
 # The debug configs as shipped, made cheap and exact: 20 steps, every step logged, nothing else written, fp32;
 # the text families on shorter windows of 2 sequences (Flux's window is its image and caption, set by the config).
 RUN = ["--training.steps", "20", "--metrics.log_freq", "1", "--training.deterministic",
@@ -49,8 +54,9 @@ def test_the_debug_configs_loss_curve_is_the_committed_one(family, tmp_path):
     golden = json.loads(path.read_text())
     assert golden["flags"] == RUN + FAMILIES[family], f"{path}: made with other flags; regenerate it"
     assert len(got) == len(golden["loss"]) == 20
+    exact_through, after = LOOSER_AFTER.get(family, (len(got), TOLERANCE))
     diffs = [f"step {step}: {new!r} vs {old!r} (golden)" for step, (new, old) in enumerate(zip(got, golden["loss"],
                                                                                              strict=True), 1)
-             if abs(new - old) > TOLERANCE * max(1.0, abs(old))]
+             if abs(new - old) > (TOLERANCE if step <= exact_through else after) * max(1.0, abs(old))]
     assert not diffs, f"{family}'s loss curve moved from {path}:\n" + "\n".join(diffs) + \
         "\n(meant? regenerate: TESSERA_REGENERATE_GOLDEN=1 ./run_tests.sh tests/test_golden.py)"

@@ -79,11 +79,12 @@ TP, EP = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.expert_p
 
 @pytest.fixture(scope="module")
 def reference():
-    from tests.dist_worker import run_grads
+    from tests.launch import one_process
 
-    return run_grads([*MODEL, "--training.local_batch_size", "8"], 4)
+    return one_process([*MODEL, "--training.local_batch_size", "8"], 4)
 
 
+@pytest.mark.ranks
 def test_fsdp_ep_cp_tp_and_pp_equal_one_process(tmp_path, reference):
     """2 ranks, the bias update on: FSDP 2; EP 2 (the experts' biases split with them); CP 2 (each rank's
     query chunks see the keys their window allows, with the sinks); TP 2 (each rank its heads' sinks); PP 2."""
@@ -92,14 +93,15 @@ def test_fsdp_ep_cp_tp_and_pp_equal_one_process(tmp_path, reference):
     batch, cp = "--training.local_batch_size", ["--parallelism.context_parallel_degree", "2"]
     cases = [[*MODEL, batch, "4"], [*MODEL, batch, "4", *EP], [*MODEL, batch, "8", *cp], [*MODEL, batch, "8", *TP],
              [*MODEL, batch, "8", *PP]]
-    for got in run_cases(2, tmp_path, cases, 4):
+    for got in run_cases(2, cases, 4):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_8_ranks_pp_x_tp_x_fsdp_x_ep_equal_one_process(tmp_path, reference):
     from tests.launch import assert_matches, run_cases
 
-    (got,) = run_cases(8, tmp_path, [[*MODEL, "--training.local_batch_size", "4", *PP, *TP, *EP]], 4)
+    (got,) = run_cases(8, [[*MODEL, "--training.local_batch_size", "4", *PP, *TP, *EP]], 4)
     assert_matches(got, reference, 1e-5, what=("grads", "params"))
 
 
@@ -111,6 +113,7 @@ def test_the_debug_model_trains():
     assert history[-1]["loss"] < history[0]["loss"] - 1.0 and "moe_imbalance" in history[-1]
 
 
+@pytest.mark.ranks
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
     """Under EP 2 and FSDP 2 each rank reads and writes only its experts of the fused, transposed tensors (a
     layout rewrapped per rank; experts FSDP splits by rows are regrouped by experts for it); lr 0 keeps the

@@ -261,6 +261,7 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *cmd], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.ranks
 def test_fsdp_save_and_load_hf(tmp_path):
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tests.test_hf", str(tmp_path)]
     proc = _run(*cmd)

@@ -183,6 +183,7 @@ def _assert_exported(theirs, dump: Path) -> None:
     assert record["args"]["dim"] == 72 and record["args"]["ffn_hidden_override"] == 100
 
 
+@pytest.mark.ranks
 def test_trainer_imports_and_exports_hf(tmp_path):
     """With model.flavor empty the run builds config.json's model, whatever it is; lr 0 leaves the weights as
     imported, so the export equals the HF model exactly. One process, then 2 pipeline stages, then TP 2."""

@@ -48,6 +48,7 @@ def test_shortened_debug_configs_pass_the_pre_check(config, steps, tmp_path):
                          "--job.dump_folder", str(tmp_path)]), 2)
 
 
+@pytest.mark.ranks
 def test_the_smoke_run_runs_with_one_warning_line(tmp_path):
     """`./run_train.sh --training.steps 3`, the first thing a user types, on the default config."""
     proc = subprocess.run(["bash", str(ROOT / "run_train.sh"), "--training.steps", "3"],
@@ -76,6 +77,7 @@ def _user_lines(stderr: str) -> list[str]:
             and not x.startswith(("tessera: setting up", "tessera: reusing"))]
 
 
+@pytest.mark.ranks
 def test_run_train_sh_reads_the_users_config_file_and_refuses_one_given_twice(tmp_path):
     bad = tmp_path / "mine.toml"
     bad.write_text("[training]\nsteps = 0\n")  # refused by the pre-check: proof of which file was read
@@ -92,6 +94,7 @@ def test_run_train_sh_reads_the_users_config_file_and_refuses_one_given_twice(tm
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.ranks
 def test_run_train_sh_passes_one_config_file_to_the_check_and_the_ranks(tmp_path):
     """With a python that records its arguments: the pre-check and the launch both get the user's file, once."""
     venv, log = tmp_path / "venv", tmp_path / "args.log"

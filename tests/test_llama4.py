@@ -163,39 +163,39 @@ CP = ["--parallelism.context_parallel_degree", "2"]
 
 @pytest.fixture(scope="module")
 def reference():
-    from tests.dist_worker import run_grads
+    from tests.launch import one_process
 
-    return run_grads([*MODEL, BATCH, "8"], 4)
+    return one_process([*MODEL, BATCH, "8"], 4)
 
 
+@pytest.mark.ranks
 def test_fsdp_ep_cp_tp_and_pp_equal_one_process(tmp_path, reference):
     """2 ranks, the bias update on, per-step losses and grad norms, step-1 gradients and final parameters within
     1e-5: FSDP 2; EP 2; CP 2 (chunks of 12 crossing CP's pieces of 8, the NoPE layer's temperature at each
     token's global position); TP 2 (heads split, the dense layers' SwiGLU too); PP 2 (a MoE and a dense layer
     on each stage); and EP 2 on weights imported from a multimodal checkpoint (each rank its experts' slices of
     the fused tensors)."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
     _multimodal(tmp_path / "mm", _theirs(tmp_path / "text", vocab_size=300, **_CONFIGS["scout_like"]))
     hf = ["--model.name", "llama4", "--model.flavor=", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
           "--checkpoint.initial_load_path", str(tmp_path / "mm"), "--moe.load_balance_rate", "1e-2"]
     cases = [[*MODEL, BATCH, "4"], [*MODEL, BATCH, "4", *EP], [*MODEL, BATCH, "8", *CP], [*MODEL, BATCH, "8", *TP],
              [*MODEL, BATCH, "8", *PP], [*hf, BATCH, "4", *EP]]
-    *layouts, imported = run_cases(2, tmp_path, cases, 4)
+    *layouts, imported = run_cases(2, cases, 4)
     for got in layouts:
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
-    assert_matches(imported, run_grads([*hf, BATCH, "8"], 4), 1e-5, what=("grads", "params"))
+    assert_matches(imported, one_process([*hf, BATCH, "8"], 4), 1e-5, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_cp4_ep2_x_cp2_and_tp2_x_cp2_equal_one_process(tmp_path, reference):
     """4 ranks: CP 4 (pieces of 4, a chunk spanning three of them), EP 2 x CP 2, TP 2 x CP 2; and with short
     documents packed into each window (block_causal: chunks and the NoPE temperature count from each document's
     start), CP 2 x FSDP 2 and PP 2 x FSDP 2 (documents and positions reach every stage)."""
     import json
 
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
     docs = tmp_path / "short.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
@@ -203,21 +203,23 @@ def test_cp4_ep2_x_cp2_and_tp2_x_cp2_equal_one_process(tmp_path, reference):
               "--model.attn_mask_type", "block_causal"]
     cases = [[*MODEL, BATCH, "8", "--parallelism.context_parallel_degree", "4"], [*MODEL, BATCH, "4", *EP, *CP],
              [*MODEL, BATCH, "8", *TP, *CP], [*packed, BATCH, "4", *CP], [*packed, BATCH, "4", *PP]]
-    *plain, cp_docs, pp_docs = run_cases(4, tmp_path, cases, 4)
+    *plain, cp_docs, pp_docs = run_cases(4, cases, 4)
     for got in plain:
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
-    one = run_grads([*packed, BATCH, "8"], 4)
+    one = one_process([*packed, BATCH, "8"], 4)
     for got in (cp_docs, pp_docs):
         assert_matches(got, one, 1e-5, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_8_ranks_pp_x_tp_x_fsdp_x_ep_equal_one_process(tmp_path, reference):
     from tests.launch import assert_matches, run_cases
 
-    (got,) = run_cases(8, tmp_path, [[*MODEL, BATCH, "4", *PP, *TP, *EP]], 4)
+    (got,) = run_cases(8, [[*MODEL, BATCH, "4", *PP, *TP, *EP]], 4)
     assert_matches(got, reference, 1e-5, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_the_trainer_exports_what_it_imported_with_experts_sharded(tmp_path):
     """From a multimodal checkpoint under EP 2 x FSDP (each rank reading its experts' slices of the fused
     tensors), lr 0: the Llama4ForCausalLM export holds the text model's weights exactly."""

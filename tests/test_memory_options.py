@@ -4,8 +4,7 @@
 import pytest
 import torch
 
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_dist, run_local
+from tests.launch import assert_matches, one_process, run_dist, run_local
 from tests.test_prepared import word_tokenizer
 
 STEPS = 3
@@ -18,8 +17,8 @@ MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp"]  # its
 
 @pytest.mark.parametrize(("model", "chunks"), [([], "8"), ([], "3"), (MTP, "8")])  # 3: slices of 11, 11, 10 tokens
 def test_chunked_loss_equals_the_whole_logits(model, chunks):
-    whole = run_grads([*model, "--training.local_batch_size", "4", "--training.loss_chunks", "1"], STEPS)
-    chunked = run_grads([*model, "--training.local_batch_size", "4", "--training.loss_chunks", chunks], STEPS)
+    whole = one_process([*model, "--training.local_batch_size", "4", "--training.loss_chunks", "1"], STEPS)
+    chunked = one_process([*model, "--training.local_batch_size", "4", "--training.loss_chunks", chunks], STEPS)
     assert_matches(chunked, whole, 1e-6)
 
 
@@ -44,6 +43,7 @@ PP_FSDP = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--traini
            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
 
 
+@pytest.mark.ranks
 def test_reducing_each_microbatch_holds_only_sharded_gradients(tmp_path):
     """PP 2 x FSDP 2, 4 micro-batches. Estimated: torch's way holds each stage's whole gradients and gathered
     parameters to the step's end (grads about 4 x the stage's parameter shards); reduced per micro-batch, about

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from tessera.parallel.cp import shard_sequence
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, one_process, run_cases
 
 TOL = 1e-5
 STEPS = 5
@@ -14,7 +13,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_grads(["--training.local_batch_size", "8"], STEPS)
+    return one_process(["--training.local_batch_size", "8"], STEPS)
 
 
 def test_head_tail_sharding():
@@ -24,25 +23,28 @@ def test_head_tail_sharding():
     assert shard_sequence(torch.arange(16), 1, 4, dim=0).tolist() == [2, 3, 12, 13]
 
 
+@pytest.mark.ranks
 def test_cp2_and_cp2_with_tp2_and_fsdp2(tmp_path, reference):
     cp2 = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]
-    (got,) = run_cases(2, tmp_path, [cp2], STEPS)
+    (got,) = run_cases(2, [cp2], STEPS)
     assert_matches(got, reference, TOL, what=("grads", "params"))
-    with_tp, with_fsdp = run_cases(4, tmp_path, [[*cp2, "--parallelism.tensor_parallel_degree", "2"],
+    with_tp, with_fsdp = run_cases(4, [[*cp2, "--parallelism.tensor_parallel_degree", "2"],
                                                  ["--parallelism.context_parallel_degree", "2",
                                                   "--training.local_batch_size", "4"]], STEPS)
     assert_matches(with_tp, reference, TOL, what=("grads", "params"))
     assert_matches(with_fsdp, reference, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_cp4(tmp_path, reference):
     cp4 = ["--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"]
-    (got,) = run_cases(4, tmp_path, [cp4], STEPS)
+    (got,) = run_cases(4, [cp4], STEPS)
     assert_matches(got, reference, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_4d_fsdp2_tp2_pp2_cp2(tmp_path, reference):
-    (got,) = run_cases(16, tmp_path, [["--parallelism.context_parallel_degree", "2",
+    (got,) = run_cases(16, [["--parallelism.context_parallel_degree", "2",
                                        "--parallelism.tensor_parallel_degree", "2",
                                        "--parallelism.pipeline_parallel_degree", "2",
                                        "--training.local_batch_size", "4"]], STEPS, timeout=900)

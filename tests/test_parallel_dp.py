@@ -3,8 +3,7 @@
 
 import pytest
 
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, one_process, run_cases
 
 TOL = 1e-5
 STEPS = 5
@@ -13,9 +12,10 @@ WHAT = ("grads", "params")
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_grads(["--training.local_batch_size", "8"], STEPS)
+    return one_process(["--training.local_batch_size", "8"], STEPS)
 
 
+@pytest.mark.ranks
 def test_fsdp2_and_replicate_only_match_single_process(tmp_path, reference):
     """And FSDP 2 with bf16 Adam moments (optimizer.state_dtype) equals one process with them: losses and
     gradients within TOL; parameters within lr x 2^-8 a step (a gradient summed in another order may round a
@@ -24,8 +24,8 @@ def test_fsdp2_and_replicate_only_match_single_process(tmp_path, reference):
     cases = [["--training.local_batch_size", "4"],
              ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"],
              ["--training.local_batch_size", "4", *bf16_states]]
-    references = [reference, reference, run_grads(["--training.local_batch_size", "8", *bf16_states], STEPS)]
-    for name, got, ref in zip(["fsdp2", "replicate2", "fsdp2, bf16 moments"], run_cases(2, tmp_path, cases, STEPS),
+    references = [reference, reference, one_process(["--training.local_batch_size", "8", *bf16_states], STEPS)]
+    for name, got, ref in zip(["fsdp2", "replicate2", "fsdp2, bf16 moments"], run_cases(2, cases, STEPS),
                               references, strict=True):
         try:
             if ref is not reference:
@@ -37,12 +37,13 @@ def test_fsdp2_and_replicate_only_match_single_process(tmp_path, reference):
             raise AssertionError(f"{name}: {e}") from None
 
 
+@pytest.mark.ranks
 def test_hsdp_2x2_matches_single_process(tmp_path, reference):
-    (got,) = run_cases(4, tmp_path, [["--training.local_batch_size", "2",
+    (got,) = run_cases(4, [["--training.local_batch_size", "2",
                                       "--parallelism.data_parallel_replicate_degree", "2"]], STEPS)
     assert_matches(got, reference, TOL, what=WHAT)
 
 
 def test_grad_accumulation_equals_larger_batch(reference):
-    got = run_grads(["--training.local_batch_size", "4", "--training.global_batch_size", "8"], STEPS)
+    got = one_process(["--training.local_batch_size", "4", "--training.global_batch_size", "8"], STEPS)
     assert_matches(got, reference, 1e-6, what=WHAT)

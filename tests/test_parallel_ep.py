@@ -9,8 +9,8 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.preflight import parse_args, validate
-from tests.dist_worker import run_grads, run_train
-from tests.launch import assert_matches, resume_copy, run_cases
+from tests.dist_worker import run_train
+from tests.launch import assert_matches, one_process, resume_copy, run_cases
 
 STEPS, TOL = 4, 1e-5
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
@@ -28,15 +28,17 @@ ROWS = "--parallelism.expert_fsdp_shard=rows"  # FSDP splits every expert along 
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_grads([*MOE, "--training.local_batch_size", "8"], STEPS)
+    return one_process([*MOE, "--training.local_batch_size", "8"], STEPS)
 
 
+@pytest.mark.ranks
 def test_ep2_ep2_x_cp2_and_ep2_compiled(tmp_path, reference):
     cases = [ep(2, 4), ep(2, 8, "--parallelism.context_parallel_degree", "2"), ep(2, 4, "--compile.enable")]
-    for got in run_cases(2, tmp_path, cases, STEPS):
+    for got in run_cases(2, cases, STEPS):
         assert_matches(got, reference, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_ep2_with_fsdp_hsdp_tp_pp_and_the_aux_loss_under_pp_and_accumulation(tmp_path, reference):
     """4 ranks: EP 2 x FSDP (dense sharded 4 ways, experts 2; and the experts split by rows), HSDP 2x2 x EP 2,
     EP 2 x TP 2, EP 2 x PP 2; then the sequence-wise aux loss (its gradient starts at each layer, on whichever
@@ -48,29 +50,31 @@ def test_ep2_with_fsdp_hsdp_tp_pp_and_the_aux_loss_under_pp_and_accumulation(tmp
              ep(2, 4, *PP),
              ep(2, 2, *PP[:2], "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size",
                 "8", *AUX), ep(2, 4, *PP, *dense_first), ep(2, 4, *TP, *dense_first)]
-    *layouts, aux, no_experts_stage, tp_dense_first = run_cases(4, tmp_path, cases, STEPS)
+    *layouts, aux, no_experts_stage, tp_dense_first = run_cases(4, cases, STEPS)
     for got in layouts:
         assert_matches(got, reference, TOL, what=("grads", "params"))
-    dense_first_reference = run_grads([*MOE, "--training.local_batch_size", "8", *dense_first], STEPS)
-    for got, ref in ((aux, run_grads([*MOE, "--training.local_batch_size", "8", *AUX], STEPS)),
+    dense_first_reference = one_process([*MOE, "--training.local_batch_size", "8", *dense_first], STEPS)
+    for got, ref in ((aux, one_process([*MOE, "--training.local_batch_size", "8", *AUX], STEPS)),
                      (no_experts_stage, dense_first_reference), (tp_dense_first, dense_first_reference)):
         assert_matches(got, ref, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_8_ranks_ep_x_fsdp_x_tp_x_pp_with_full_activation_checkpointing(tmp_path, reference):
     """PP 2 x TP 2 x FSDP 2, EP 2 taking in the TP pairs; recomputation must not count tokens twice."""
-    (got,) = run_cases(8, tmp_path, [ep(2, 4, *PP, *TP, "--activation_checkpoint.mode", "full")], STEPS)
+    (got,) = run_cases(8, [ep(2, 4, *PP, *TP, "--activation_checkpoint.mode", "full")], STEPS)
     assert_matches(got, reference, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_checkpoints_reshard_across_ep_degrees(tmp_path):
     """Saved under EP 2 at step 4, resumed with one process, EP 4, and FSDP 2 without EP (splitting every expert
     by rows): each continues the uninterrupted run (losses 5-8, final parameters and expert biases)."""
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
     src = tmp_path / "ep2"
-    (full,) = run_cases(2, tmp_path, [["--job.dump_folder", str(src), *ep(2, 4), *ckpt]], 8, mode="train")
+    (full,) = run_cases(2, [["--job.dump_folder", str(src), *ep(2, 4), *ckpt]], 8, mode="train")
     one = run_train(["--job.dump_folder", str(resume_copy(src, tmp_path / "one", 4)), *ep(1, 8), *ckpt], 8)
-    four, fsdp = run_cases(4, tmp_path, [
+    four, fsdp = run_cases(4, [
         ["--job.dump_folder", str(resume_copy(src, tmp_path / "ep4", 4)), *ep(4, 2), *ckpt],
         ["--job.dump_folder", str(resume_copy(src, tmp_path / "fsdp", 4)), *ep(1, 2, ROWS), *ckpt]], 8,
         mode="train")

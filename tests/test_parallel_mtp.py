@@ -4,8 +4,11 @@ norms, step-1 gradients (the depths' included) and final parameters equal one fp
 
 import json
 
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+import pytest
+
+from tests.launch import assert_matches, one_process, run_cases
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks
 
 MODEL = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", "--moe.load_balance_rate", "1e-2",
          "--deepseek_v3.mtp_loss_weight", "0.3"]
@@ -33,11 +36,11 @@ def test_mtp_layouts_equal_one_process(tmp_path):
              "CP 2 (Ulysses) x TP 2": [BATCH, "8", *CP2, *TP2, "--parallelism.context_parallel_method", "ulysses"],
              "documents, CP 4": [*packed, BATCH, "8", "--parallelism.context_parallel_degree", "4"],
              "untrained, TP 2 x FSDP 2": [BATCH, "4", *TP2, *UNTRAINED]}
-    results = run_cases(4, tmp_path, [[*MODEL, *case] for case in cases.values()], STEPS)
-    reference = run_grads([*MODEL, BATCH, "8"], STEPS)
+    results = run_cases(4, [[*MODEL, *case] for case in cases.values()], STEPS)
+    reference = one_process([*MODEL, BATCH, "8"], STEPS)
     assert reference["grads"]["mtp.1.eh_proj.weight"].abs().sum() > 0  # the depths train
-    others = {"documents": run_grads([*MODEL, *packed, BATCH, "8"], STEPS),
-              "untrained": run_grads([*MODEL, *UNTRAINED, BATCH, "8"], STEPS)}
+    others = {"documents": one_process([*MODEL, *packed, BATCH, "8"], STEPS),
+              "untrained": one_process([*MODEL, *UNTRAINED, BATCH, "8"], STEPS)}
     for name, got in zip(cases, results, strict=True):
         try:
             assert_matches(got, others.get(name.split(",")[0], reference), 1e-5, what=("grads", "params"))

@@ -2,12 +2,15 @@
 norms, and final parameters within 1e-5, on the Qwen 3 MoE debug model (dense matrices and experts' stacks), with
 parameter groups on. A one-process Muon checkpoint resumes resharded (momentum buffers and Adam moments both)."""
 
+import pytest
 import torch
 
 from tests.dist_worker import run_train
 from tests.launch import resume_copy, run_cases
 from tests.test_checkpoint import CKPT
 from tests.test_speed_features import F8, LOW_PRECISION_TOL
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks
 
 STEPS, TOL = 4, 1e-5
 MUON = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--optimizer.name", "Muon",
@@ -46,7 +49,7 @@ def test_muon_fsdp_tp_hsdp_ep_pp_and_resharded_resume_equal_one_process(tmp_path
              case(tmp_path / "ep", 2, *EP), case(tmp_path / "pp", 4, *PP, *EP),
              case(resume_copy(tmp_path / "one", tmp_path / "resumed", 2), 4, *EP, *TP),
              [*dense, *F8, "--quantize.linear.float8.enable_fsdp_float8_all_gather"]]
-    *layouts, resumed, float8 = run_cases(4, tmp_path, cases, STEPS, mode="train")
+    *layouts, resumed, float8 = run_cases(4, cases, STEPS, mode="train")
     for got in layouts:
         assert_same_run(got, one, range(1, STEPS + 1))
     assert resumed["start"] == 2
@@ -58,5 +61,5 @@ def test_muon_fsdp_tp_hsdp_ep_pp_and_resharded_resume_equal_one_process(tmp_path
 def test_muon_8_ranks_pp_x_tp_x_fsdp_x_ep(tmp_path):
     """PP 2 x TP 2 x FSDP 2 with EP 2: matrices split over two mesh axes (FSDP and TP) gathered whole."""
     one = run_train(case(tmp_path / "one", 8), STEPS)
-    (got,) = run_cases(8, tmp_path, [case(tmp_path / "eight", 4, *PP, *TP, *EP)], STEPS, mode="train")
+    (got,) = run_cases(8, [case(tmp_path / "eight", 4, *PP, *TP, *EP)], STEPS, mode="train")
     assert_same_run(got, one, range(1, STEPS + 1))

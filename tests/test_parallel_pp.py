@@ -4,8 +4,8 @@ each equal to a single-process run (fp32, same seed and data)."""
 import pytest
 
 from tessera.config.sections import PP_SCHEDULES
-from tests.dist_worker import run_grads, run_train
-from tests.launch import assert_matches, resume_copy, run_cases
+from tests.dist_worker import run_train
+from tests.launch import assert_matches, one_process, resume_copy, run_cases
 
 TOL = 1e-5
 STEPS = 5
@@ -15,7 +15,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_grads(["--training.local_batch_size", "8"], STEPS)
+    return one_process(["--training.local_batch_size", "8"], STEPS)
 
 
 def _csv(path):
@@ -25,6 +25,7 @@ def _csv(path):
     return str(path)
 
 
+@pytest.mark.ranks
 def test_pp2_every_schedule_csv_and_accumulation(tmp_path, reference):
     """And PP 2 alone in bf16 computes in bf16 (autocast, as one process without FSDP does): its losses are within
     2% of one bf16 process and not those of fp32."""
@@ -34,8 +35,8 @@ def test_pp2_every_schedule_csv_and_accumulation(tmp_path, reference):
                   _csv(tmp_path / "gpipe.csv")])
     cases.append([*PP2, "--training.local_batch_size", "4", "--training.global_batch_size", "8"])
     bf16 = ["--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16"]
-    *results, pp_bf16 = run_cases(2, tmp_path, [*cases, [*PP2, *bf16]], STEPS)
-    assert_matches(pp_bf16, run_grads(bf16, STEPS), 2e-2, what=())
+    *results, pp_bf16 = run_cases(2, [*cases, [*PP2, *bf16]], STEPS)
+    assert_matches(pp_bf16, one_process(bf16, STEPS), 2e-2, what=())
     assert max(abs(a - b) for a, b in zip(pp_bf16["losses"], reference["losses"], strict=True)) > 1e-4
     for name, got in zip([*SCHEDULES, "csv", "accumulation"], results, strict=True):
         try:
@@ -44,6 +45,7 @@ def test_pp2_every_schedule_csv_and_accumulation(tmp_path, reference):
             raise AssertionError(f"{name}: {e}") from None
 
 
+@pytest.mark.ranks
 def test_pp2_x_fsdp2(tmp_path, reference):
     """Gradients reduced at the step's end (torch's way) and after each micro-batch (with gradient accumulation
     too); and the split-backward (zero bubble) schedules, whose blocks would otherwise be resharded after forward
@@ -59,26 +61,28 @@ def test_pp2_x_fsdp2(tmp_path, reference):
               [*pp_fsdp, schedule, "InterleavedZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"]]
     for name, got in zip(("step", "microbatch", "microbatch, accumulation", "ZBVZeroBubble",
                           "InterleavedZeroBubble, always resharded"),
-                         run_cases(4, tmp_path, cases, STEPS), strict=True):
+                         run_cases(4, cases, STEPS), strict=True):
         try:
             assert_matches(got, reference, TOL, what=("grads", "params"))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
 
 
+@pytest.mark.ranks
 def test_pp2_x_tp2_x_fsdp2(tmp_path, reference):
-    (got,) = run_cases(8, tmp_path, [[*PP2, "--training.local_batch_size", "4",
+    (got,) = run_cases(8, [[*PP2, "--training.local_batch_size", "4",
                                       "--parallelism.tensor_parallel_degree", "2"]], STEPS)
     assert_matches(got, reference, TOL, what=("grads", "params"))
 
 
+@pytest.mark.ranks
 def test_pp2_checkpoint_resumes_without_pp_and_under_fsdp(tmp_path):
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
-    (full,) = run_cases(2, tmp_path, [["--job.dump_folder", str(tmp_path / "pp"), *PP2,
+    (full,) = run_cases(2, [["--job.dump_folder", str(tmp_path / "pp"), *PP2,
                                        "--training.local_batch_size", "8", *ckpt]], 8, mode="train")
     one = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "pp", tmp_path / "one", 4)),
                      "--training.local_batch_size", "8", *ckpt], 8)
-    (fsdp,) = run_cases(2, tmp_path, [["--job.dump_folder", str(resume_copy(tmp_path / "pp", tmp_path / "fsdp", 4)),
+    (fsdp,) = run_cases(2, [["--job.dump_folder", str(resume_copy(tmp_path / "pp", tmp_path / "fsdp", 4)),
                                        "--training.local_batch_size", "4", *ckpt]], 8, mode="train")
     for resumed in (one, fsdp):
         assert resumed["start"] == 4

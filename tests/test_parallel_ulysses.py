@@ -8,8 +8,7 @@ import pytest
 
 from tessera.config import ConfigError
 from tessera.preflight import parse_args, validate
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, one_process, run_cases
 
 U = ["--parallelism.context_parallel_method", "ulysses"]
 CP2, CP4 = (["--parallelism.context_parallel_degree", n, *U] for n in ("2", "4"))
@@ -30,6 +29,7 @@ def test_heads_that_do_not_divide_by_tp_x_cp_are_refused_at_launch():
     assert validate(parse_args([*tiny, "--parallelism.context_parallel_degree", "4"]), 4).dims.cp == 4  # 1 head each
 
 
+@pytest.mark.ranks
 def test_llama3_layouts_equal_one_process(tmp_path):
     """4 ranks, tiny Llama 3 (4 query heads, 2 KV heads): CP 2 x FSDP 2; CP 2 x TP 2 (one query and one KV head
     per TP rank: the KV head is repeated for the two CP ranks); CP 4 (likewise); PP 2 x CP 2; and documents packed
@@ -39,13 +39,13 @@ def test_llama3_layouts_equal_one_process(tmp_path):
     docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
     packed = ["--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
               "block_causal"]
-    reference = run_grads([BATCH, "8"], STEPS)
+    reference = one_process([BATCH, "8"], STEPS)
     cases = [[BATCH, "4", *CP2], [BATCH, "8", *CP2, *TP2], [BATCH, "8", *CP4], [BATCH, "8", *CP2, *PP2],
              [*packed, BATCH, "4", *CP2],
              [*packed, BATCH, "4", *CP2, "--compile.enable", "--activation_checkpoint.mode", "full"]]
     names = ["CP 2 x FSDP 2", "CP 2 x TP 2", "CP 4", "PP 2 x CP 2", "documents", "documents, compiled, full AC"]
-    masked = run_grads([*packed, BATCH, "8"], STEPS)
-    for name, got, ref in zip(names, run_cases(4, tmp_path, cases, STEPS), [reference] * 4 + [masked] * 2,
+    masked = one_process([*packed, BATCH, "8"], STEPS)
+    for name, got, ref in zip(names, run_cases(4, cases, STEPS), [reference] * 4 + [masked] * 2,
                               strict=True):
         try:
             assert_matches(got, ref, 1e-5, what=("grads", "params"))
@@ -68,13 +68,14 @@ FAMILIES = {  # name: (model flags, this layout's flags and batch); 4 ranks
 }
 
 
+@pytest.mark.ranks
 def test_each_family_equals_one_process(tmp_path):
     """One 4-rank launch, a layout per family with attention: losses, grad norms, step-1 gradients and final
     parameters within 1e-5 of one process over the same global batch."""
     moe = ["--moe.load_balance_rate", "1e-2"]
     cases = [[*model, *moe, BATCH, *layout] for model, layout in FAMILIES.values()]
-    for name, got, (model, _) in zip(FAMILIES, run_cases(4, tmp_path, cases, STEPS), FAMILIES.values(), strict=True):
+    for name, got, (model, _) in zip(FAMILIES, run_cases(4, cases, STEPS), FAMILIES.values(), strict=True):
         try:
-            assert_matches(got, run_grads([*model, *moe, BATCH, "8"], STEPS), 1e-5, what=("grads", "params"))
+            assert_matches(got, one_process([*model, *moe, BATCH, "8"], STEPS), 1e-5, what=("grads", "params"))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None

@@ -354,6 +354,7 @@ def test_bad_prepared_data_is_one_line_before_training(prepared, mixture, tmp_pa
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
+@pytest.mark.ranks
 def test_resume_across_a_dp_change_and_document_masking_under_cp(prepared, tmp_path):
     """A 1-rank run resumed from its step-4 checkpoint on 2 ranks reproduces its losses, samples and weights (its
     data_streams changed: prepared data is not dealt to streams); and
@@ -364,7 +365,7 @@ def test_resume_across_a_dp_change_and_document_masking_under_cp(prepared, tmp_p
     full = run_train([*data, "--job.dump_folder", str(tmp_path / "full"), *ckpt], 8)
     masked = run_train([*data, "--model.attn_mask_type", "block_causal"], 8)
     causal = run_train(data, 8)
-    resumed, cp2 = run_cases(2, tmp_path, [
+    resumed, cp2 = run_cases(2, [
         [*data, "--training.local_batch_size", "4", "--job.dump_folder",
          str(resume_copy(tmp_path / "full", tmp_path / "dp2", 4)), *ckpt, "--training.data_streams", "8"],
         [*data, "--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"]],

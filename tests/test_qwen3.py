@@ -9,8 +9,7 @@ import torch
 
 from tessera.checkpoint.hf import HFError, load_hf, save_hf
 from tessera.models import family, hf_args, num_params
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, one_process, run_cases
 
 QWEN3 = family("qwen3")
 # Published: total and non-embedding parameters (Qwen 3 model cards), in billions.
@@ -107,13 +106,14 @@ QWEN = ["--model.name", "qwen3", "--model.flavor", "tiny"]
 STEPS = 4
 
 
+@pytest.mark.ranks
 def test_qwen3_layouts_equal_one_process(tmp_path):
-    reference = run_grads([*QWEN, "--training.local_batch_size", "8"], STEPS)
+    reference = one_process([*QWEN, "--training.local_batch_size", "8"], STEPS)
     two = [[*QWEN, "--training.local_batch_size", "4"],
            [*QWEN, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
            [*QWEN, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"],
            [*QWEN, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]]
-    for name, got in zip(["fsdp2", "tp2", "pp2", "cp2"], run_cases(2, tmp_path, two, STEPS), strict=True):
+    for name, got in zip(["fsdp2", "tp2", "pp2", "cp2"], run_cases(2, two, STEPS), strict=True):
         try:
             assert_matches(got, reference, 1e-5)
             # Adam divides by sqrt(v): where a gradient is near 0, TP's other summation order moves the update
@@ -121,6 +121,6 @@ def test_qwen3_layouts_equal_one_process(tmp_path):
             assert_matches(got, reference, 2e-5, what=("params",))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
-    (got,) = run_cases(4, tmp_path, [[*QWEN, "--training.local_batch_size", "4",
+    (got,) = run_cases(4, [[*QWEN, "--training.local_batch_size", "4",
                                                 "--parallelism.tensor_parallel_degree", "2"]], STEPS)
     assert_matches(got, reference, 1e-5, what=("grads", "params"))

@@ -233,16 +233,16 @@ _DENSE = ["--model.name", "qwen3_5", "--model.flavor", "tiny", "--qwen3_5.chunk_
 _MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qwen3_5_moe.chunk_size", "8"]
 
 
+@pytest.mark.ranks
 def test_layouts_equal_one_process(tmp_path):
     """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
     head; also with each block compiled whole-graph: the chunked DeltaNet's scan, triangular solves and causal
     convolution trace without a break), PP (each stage a DeltaNet and a full-attention block) of the dense model;
     EP and TP of the MoE one.
     Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
 
-    refs = {name: run_grads([*argv, "--training.local_batch_size", "8"], STEPS)
+    refs = {name: one_process([*argv, "--training.local_batch_size", "8"], STEPS)
             for name, argv in (("dense", _DENSE), ("moe", _MOE))}
     tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
     cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
@@ -254,7 +254,7 @@ def test_layouts_equal_one_process(tmp_path):
              "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
              "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
              "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp]}
-    for name, got in zip(cases, run_cases(2, tmp_path, list(cases.values()), STEPS), strict=True):
+    for name, got in zip(cases, run_cases(2, list(cases.values()), STEPS), strict=True):
         try:
             assert_matches(got, refs[name.split()[0]], 1e-5)
         except AssertionError as e:
@@ -266,6 +266,7 @@ _F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8
 _ULYSSES = ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses"]
 
 
+@pytest.mark.ranks
 def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
     """One 4-rank launch, each case against one process with the same settings (losses, grad norms, step-1
     gradients, final parameters; fp32): HSDP 2 x 2 (dense); Muon under FSDP 2 x TP 2 (dense) and EP 2 x FSDP 2
@@ -275,8 +276,7 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
     as tests/test_speed_features.py holds it: its activations' scales are each rank's own amax, so against one
     process it is within float8's rounding (and off high precision); with FSDP float8 all-gathers (weights cast
     before the gather, by the global amax) it equals the same layout without them."""
-    from tests.dist_worker import run_grads
-    from tests.launch import assert_matches, run_cases
+    from tests.launch import assert_matches, one_process, run_cases
     from tests.test_speed_features import LOW_PRECISION_TOL
 
     docs = tmp_path / "short.jsonl"
@@ -295,9 +295,9 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
         "MoE Ulysses CP 2 x EP 2, documents": ([*_MOE, *packed], [batch, "4", *_ULYSSES,
                                                                   "--parallelism.expert_parallel_degree", "2"]),
     }
-    results = dict(zip(cases, run_cases(4, tmp_path, [[*m, *layout] for m, layout in cases.values()], STEPS),
+    results = dict(zip(cases, run_cases(4, [[*m, *layout] for m, layout in cases.values()], STEPS),
                        strict=True))
-    high = run_grads([*_DENSE, batch, "8"], STEPS)["losses"]
+    high = one_process([*_DENSE, batch, "8"], STEPS)["losses"]
     for name, got in results.items():
         try:
             if name.startswith("Float8"):
@@ -306,7 +306,7 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
                 if name != "Float8 FSDP 4":
                     assert_matches(got, results["Float8 FSDP 4"], 1e-5, what=("grads", "params"))
             else:
-                assert_matches(got, run_grads([*cases[name][0], batch, "8"], STEPS), 1e-5, what=("grads", "params"))
+                assert_matches(got, one_process([*cases[name][0], batch, "8"], STEPS), 1e-5, what=("grads", "params"))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
 
@@ -332,6 +332,7 @@ def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, l
         DENSE.check_layout(wide_attention, 4, 1, 1, "tiny")
 
 
+@pytest.mark.ranks
 def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
     """TP 2 with EP 2: each rank reads and writes its shards of DeltaNet's fused q/k/v and convolution (DTensors
     split by head, as FSDP splits them too) and of the experts; lr 0 keeps the weights, so the export equals the

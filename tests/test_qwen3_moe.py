@@ -9,9 +9,9 @@ import torch
 from tessera.checkpoint.hf import load_hf
 from tessera.models import family, hf_args, num_params
 from tessera.models.common.moe import MoE
-from tests.dist_worker import run_grads, run_train
+from tests.dist_worker import run_train
 from tests.hf_parity import assert_round_trip
-from tests.launch import assert_matches, run_cases
+from tests.launch import assert_matches, one_process, run_cases
 
 MOE = family("qwen3_moe")
 
@@ -72,6 +72,7 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
     assert_round_trip(theirs, ours, args, transformers.Qwen3MoeForCausalLM, tmp_path / "in", tmp_path)
 
 
+@pytest.mark.ranks
 def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
     """Experts in blocks 0 and 3 of 4 (dense between). Under EP 2, EP 2 x FSDP 4 (experts sharded over both;
     and FSDP splitting every expert by rows), FSDP 2 and PP 2 x EP 2 (each stage a dense and a MoE block) each
@@ -97,13 +98,14 @@ def test_the_trainer_imports_and_exports_hf_with_experts_sharded(tmp_path):
             torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=f"{name} {key}")
 
 
+@pytest.mark.ranks
 def test_fsdp2_equals_one_process(tmp_path):
     """Experts sharded whole (4 a rank) and by rows (half of every expert's rows a rank)."""
     moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
-    reference = run_grads([*moe, "--training.local_batch_size", "8"], 4)
+    reference = one_process([*moe, "--training.local_batch_size", "8"], 4)
     cases = [[*moe, "--training.local_batch_size", "4"],
              [*moe, "--training.local_batch_size", "4", "--parallelism.expert_fsdp_shard", "rows"]]
-    for got in run_cases(2, tmp_path, cases, 4):
+    for got in run_cases(2, cases, 4):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
 
 

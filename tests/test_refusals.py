@@ -240,12 +240,14 @@ def test_a_key_given_twice_is_refused():
         parse_args(["--training.steps", "3", "--training.steps=4"])
 
 
+@pytest.mark.ranks
 def test_ngpu_is_named_as_ngpu():
     proc = subprocess.run(["./run_train.sh"], env={**ENV, "NGPU": "two"}, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert "tessera: NGPU: expected a positive integer (processes on this node), got 'two'" in proc.stderr
 
 
+@pytest.mark.ranks
 def test_an_error_after_ranks_start_is_one_line_with_its_status(tmp_path):
     """Under tessera.launch (what run_train.sh and the SLURM script use): no torchrun failure block."""
     cmd = [sys.executable, "-m", "tessera.launch", "--standalone", "--nproc_per_node=2", "-m", "tessera.train",

@@ -63,6 +63,7 @@ def test_nonfinite_skip_applies_no_update_and_counts_and_stop_names_the_step(tmp
         in capsys.readouterr().err
 
 
+@pytest.mark.ranks
 def test_a_stuck_rank_ends_the_run_at_the_train_timeout_naming_the_step(tmp_path):
     """Rank 1 stalls before step 3 for longer than comm.train_timeout_seconds: rank 0's collective gives up and
     the job ends with one line naming the step and the option, instead of hanging (the first step ran under

@@ -127,6 +127,7 @@ def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str
     return [finish(proc) for proc in start_job(dump, lighthouse, *args, nproc=nproc)]
 
 
+@pytest.mark.ranks
 def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchronous_groups(tmp_path, lighthouse):
     """LocalSGD every 3 steps (groups of one process) equals the reference; LocalSGD every step with plain SGD
     (no clipping) equals synchronous replica groups with SGD (gradients averaged every step, in plain PyTorch)."""
@@ -149,6 +150,7 @@ def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchrono
     assert_weights(final_weights(tmp_path / "every" / "checkpoint" / "replica_0"), synchronous)
 
 
+@pytest.mark.ranks
 def test_streaming_diloco_equals_the_reference(tmp_path, lighthouse):
     """Streaming DiLoCo: 2 fragments, each sent one step before it is applied, alpha 0.5 (groups of one
     process): each group's final weights equal the reference's."""
@@ -164,6 +166,7 @@ def test_streaming_diloco_equals_the_reference(tmp_path, lighthouse):
         assert_weights(final_weights(tmp_path / "job" / "checkpoint" / f"replica_{g}"), groups[g])
 
 
+@pytest.mark.ranks
 def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_exactly(tmp_path, lighthouse):
     """2 groups x FSDP 2, DiLoCo every 2 steps for 3 windows, saved at step 3 (mid-window) and 6: the weights and
     each group's losses equal the plain PyTorch reference, and the metrics count the syncs and the bytes sent.
@@ -196,6 +199,7 @@ def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_ex
             assert [r[k] for k in keys] == [first[i][r["step"]][k] for k in keys], (i, r["step"])
 
 
+@pytest.mark.ranks
 def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse):
     """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
     alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the

@@ -17,8 +17,7 @@ from tessera.data.masks import IGNORE, trained_tokens
 from tessera.data.records import BadRecords
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.trainer import loss_fn, token_inputs
-from tests.dist_worker import run_grads
-from tests.launch import assert_matches, run_cases, run_local
+from tests.launch import assert_matches, one_process, run_cases, run_local
 from tests.sft_data import CONVERSATIONS, THINKING, chat_tokenizer, write_jsonl
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
@@ -228,20 +227,21 @@ def test_the_loss_equals_transformers_with_ignored_labels(tmp_path):
 STEPS = 3
 
 
+@pytest.mark.ranks
 def test_layouts_equal_one_process_with_uneven_masks(tmp_path):
     """Chat data whose windows hold different numbers of trained tokens (some none): FSDP 2, FSDP 2 with
     accumulation, PP 2, CP 2 and TP 2 (loss parallel on whole logits) each equal one process of the same global
     batch: per-step losses (the mean over the step's trained tokens), grad norms and step-1 gradients."""
     chat = ["--training.dataset", "files", "--training.dataset_path", str(chat_file(tmp_path / "chat.jsonl")),
             "--training.dataset_format", "chat", "--training.data_streams", "8"]
-    reference = run_grads([*chat, "--training.local_batch_size", "8"], STEPS)
+    reference = one_process([*chat, "--training.local_batch_size", "8"], STEPS)
     cases = {"fsdp2": ["--training.local_batch_size", "4"],
              "fsdp2 + accumulation": ["--training.local_batch_size", "2", "--training.global_batch_size", "8"],
              "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
              "cp2": ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"],
              "tp2, loss parallel": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
                                     "--training.loss_chunks", "1"]}
-    results = run_cases(2, tmp_path, [[*chat, *case] for case in cases.values()], STEPS)
+    results = run_cases(2, [[*chat, *case] for case in cases.values()], STEPS)
     for name, got in zip(cases, results, strict=True):
         try:
             assert_matches(got, reference, 1e-5, what=("grads",))

@@ -1,16 +1,13 @@
 """Speed and memory features: activation checkpointing, torch.compile, Float8 / MX (emulated on CPU),
 FSDP CPU offload and reshard_after_forward. Each is compared with the same run without it.
 
-The 2-rank cases run in one torchrun launch of this file (see `_worker` at the bottom).
+The 2-rank cases run on the test run's pool of ranks (`fsdp_record` at the bottom).
 """
 
 import collections
 import contextlib
 import functools
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 from types import SimpleNamespace
 
@@ -27,8 +24,8 @@ from tessera.models.llama3.args import FLAVORS, Llama3Args
 from tessera.parallel.ac import apply_ac, op_policy
 from tessera.parallel.init import bare_name, materialize
 from tessera.preflight import parse_args, validate
-from tests.dist_worker import _trainer, full_params, run_grads, split_cases, step_and_record
-from tests.launch import ROOT, assert_matches, resume_copy, run_cases
+from tests.dist_worker import _trainer, full_params, step_and_record
+from tests.launch import assert_matches, on_ranks, one_process, resume_copy, run_cases
 
 STEPS = 3
 BATCH = ["--training.local_batch_size", "4"]
@@ -47,7 +44,7 @@ def bare(result: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_grads(BATCH, STEPS)
+    return one_process(BATCH, STEPS)
 
 
 def _run(argv: list[str], steps: int = STEPS):
@@ -180,12 +177,13 @@ COMPILED_LAYOUTS = {
 }
 
 
+@pytest.mark.ranks
 def test_compile_matches_eager_under_tp_pp_fsdp_ac(tmp_path):
     """Each layout compiled equals it eager (which the parallel tests hold to one process), 3 steps. Before
     the fixes this caught: compiled TP blocks fed the embedding's in-flight reduce-scatter crashed in backward,
     and a compiled loss on vocab-sharded logits was TP times too large."""
     cases = [case for argv in COMPILED_LAYOUTS.values() for case in ([*argv, "--compile.enable"], argv)]
-    results = run_cases(2, tmp_path, cases, 3)
+    results = run_cases(2, cases, 3)
     for i, layout in enumerate(COMPILED_LAYOUTS):
         try:
             assert_matches(results[2 * i], results[2 * i + 1], 1e-5)
@@ -337,21 +335,17 @@ FSDP_CASES = {
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    flat = [a for case in FSDP_CASES.values() for a in ("--", "--training.local_batch_size", "2", *case)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out),
-           *flat]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return dict(zip(FSDP_CASES, torch.load(out), strict=True))
+def fsdp_runs():
+    cases = [["--training.local_batch_size", "2", *case] for case in FSDP_CASES.values()]
+    return dict(zip(FSDP_CASES, on_ranks(2, "tests.test_speed_features:fsdp_record", cases, STEPS), strict=True))
 
 
+@pytest.mark.ranks
 def test_fsdp_2_ranks_matches_one_process(fsdp_runs, reference):
     assert_matches(fsdp_runs["base"], reference, 1e-5)
 
 
+@pytest.mark.ranks
 def test_cpu_offload_matches(fsdp_runs):
     got, base = fsdp_runs["cpu_offload"], fsdp_runs["base"]
     assert got["offloaded"] and set(got["offloaded"].values()) == {True}
@@ -360,6 +354,7 @@ def test_cpu_offload_matches(fsdp_runs):
     assert_matches(got, base, 1e-5)
 
 
+@pytest.mark.ranks
 def test_reshard_after_forward(fsdp_runs):
     # Per FSDP group (each block, then the root ""): does forward free the gathered parameters?
     blocks = {"layers.0": True, "layers.1": True}
@@ -370,6 +365,7 @@ def test_reshard_after_forward(fsdp_runs):
         assert_matches(fsdp_runs[name], fsdp_runs["base"], 1e-5)
 
 
+@pytest.mark.ranks
 def test_float8_all_gather_2_ranks(fsdp_runs):
     f8, gathered, base = fsdp_runs["float8"], fsdp_runs["float8_all_gather"], fsdp_runs["base"]
     assert gathered["weight_types"]["WeightWithDynamicFloat8CastTensor"] == 2 * LINEARS_PER_BLOCK
@@ -383,11 +379,12 @@ def test_float8_all_gather_2_ranks(fsdp_runs):
     assert gathered["losses"] != base["losses"]
 
 
+@pytest.mark.ranks
 def test_float8_rowwise_with_tp_matches_fsdp(tmp_path):
     """FSDP 2 x TP 2 with rowwise float8 equals FSDP 4 with it (FSDP casts gathered, unsharded weights, the same
     as one process), step-1 grads included; and float8 is really on: both differ from high precision."""
     rowwise = [*F8, "--quantize.linear.float8.recipe_name", "rowwise"]
-    tp, fsdp, high = run_cases(4, tmp_path, [
+    tp, fsdp, high = run_cases(4, [
         ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2", *rowwise],
         ["--training.local_batch_size", "1", *rowwise], ["--training.local_batch_size", "1"]])
     assert_matches({"grads": tp["grads"]}, {"grads": fsdp["grads"]}, 1e-5)
@@ -424,6 +421,7 @@ def _torch_save_of(folder) -> dict:
     return saved
 
 
+@pytest.mark.ranks
 def test_float8_and_mx_checkpoints_hold_plain_tensors(tmp_path, capsys):
     """Float8 with FSDP float8 all-gathers (and MX) keeps weights in torchao wrapper subclasses; checkpoints and
     exports hold plain tensors. The float8 run (with AC and CPU offload) resumes exactly, and without the
@@ -436,16 +434,16 @@ def test_float8_and_mx_checkpoints_hold_plain_tensors(tmp_path, capsys):
                 "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", *F8]
     ckpt = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
             "--checkpoint.keep_latest_k", "0"]
-    first, plain, mx = run_cases(2, tmp_path, [
+    first, plain, mx = run_cases(2, [
         ["--job.dump_folder", str(tmp_path / "a"), *ckpt, *features],
         ["--job.dump_folder", str(tmp_path / "p"), *ckpt],
         ["--job.dump_folder", str(tmp_path / "m"), *ckpt, *MX, "--checkpoint.last_save_in_hf"]], 4, mode="train")
     # The first case runs before anything in its processes imports torchao: resuming needs none of its classes.
-    unconverted, resumed, converted = run_cases(2, tmp_path, [
+    unconverted, resumed, converted = run_cases(2, [
         ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "b", 2)), *ckpt],
         ["--job.dump_folder", str(resume_copy(tmp_path / "a", tmp_path / "c", 2)), *ckpt, *features],
         ["--job.dump_folder", str(resume_copy(tmp_path / "p", tmp_path / "q", 2)), *ckpt, *features]],
-        4, mode="train")
+        4, mode="train", fresh=True)
     assert unconverted["start"] == resumed["start"] == converted["start"] == 2
     assert resumed["losses"] == {3: first["losses"][3], 4: first["losses"][4]}
     for name, value in resumed["params"].items():
@@ -473,13 +471,11 @@ def test_float8_and_mx_checkpoints_hold_plain_tensors(tmp_path, capsys):
         assert torch.equal(mx_from_hf[name], value), name
 
 
-def _worker(out: str, cases: list[list[str]]) -> None:
-    """Under torchrun: each case's losses and step-1 grads, plus what FSDP and float8 were set up to do."""
-    import torch.distributed as dist
+def fsdp_record(argv: list[str], steps: int) -> dict:
+    """On the ranks (tests/launch.py's on_ranks): a case's losses and step-1 grads, plus what FSDP and float8 were
+    set up to do."""
     from torch.distributed.fsdp import FSDPModule
     from torchao.float8 import fsdp_utils
-
-    from tessera.distributed import shutdown
 
     gathers = collections.Counter()
     pre_all_gather = fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
@@ -491,34 +487,27 @@ def _worker(out: str, cases: list[list[str]]) -> None:
         return inputs, metadata
 
     fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = counting_pre_all_gather
-    results = []
-    for argv in cases:
-        gathers.clear()
-        tr, run = _run(argv)
-        groups = {n: m._get_fsdp_state()._fsdp_param_group for n, m in tr.model.named_modules()
-                  if isinstance(m, FSDPModule)}
-        group = tr.optimizer.param_groups[0]
-        results.append({
-            **run,
-            "offloaded": {n: all(p.offload_to_cpu for p in g.fsdp_params) for n, g in groups.items()},
-            "reshard": {n: g.post_forward_mesh_info is not None for n, g in groups.items()},
-            "param_devices": {p.device.type for p in tr.model.parameters()},
-            "optimizer": "fused" if group["fused"] else "foreach" if group["foreach"] else "for-loop",
-            "weight_types": collections.Counter(type(local_tensor(p)).__name__ for p in tr.model.parameters()),
-            "float8_all_gathers": sum(n for dtype, n in gathers.items() if "float8" in dtype),
-            "precomputed_scales": sum(getattr(local_tensor(p), "_precomputed_scale", None) is not None
-                                      for p in tr.model.parameters()),
-        })
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    shutdown(clean=True)
+    try:
+        tr, run = _run(argv, steps)
+    finally:  # the ranks run other tests' cases next
+        fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre_all_gather
+    groups = {n: m._get_fsdp_state()._fsdp_param_group for n, m in tr.model.named_modules()
+              if isinstance(m, FSDPModule)}
+    group = tr.optimizer.param_groups[0]
+    return {
+        **run,
+        "offloaded": {n: all(p.offload_to_cpu for p in g.fsdp_params) for n, g in groups.items()},
+        "reshard": {n: g.post_forward_mesh_info is not None for n, g in groups.items()},
+        "param_devices": {p.device.type for p in tr.model.parameters()},
+        "optimizer": "fused" if group["fused"] else "foreach" if group["foreach"] else "for-loop",
+        "weight_types": collections.Counter(type(local_tensor(p)).__name__ for p in tr.model.parameters()),
+        "float8_all_gathers": sum(n for dtype, n in gathers.items() if "float8" in dtype),
+        "precomputed_scales": sum(getattr(local_tensor(p), "_precomputed_scale", None) is not None
+                                  for p in tr.model.parameters()),
+    }
 
 
 def local_tensor(p):
     from torch.distributed.tensor import DTensor
 
     return p._local_tensor if isinstance(p, DTensor) else p
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], split_cases(sys.argv[2:]))
