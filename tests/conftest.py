@@ -1,6 +1,7 @@
 """How the suite shares two cores (docs/testing.md): tests marked `ranks` start processes of several ranks (the rank
 pools of tests/launch.py, torchrun, the launcher); they run one at a time, on one pytest-xdist worker, first (the
-longest share), while the other worker runs the single-process tests, a module at a time (module fixtures are
+longest share). Tests marked `paced` start processes too, but slowed ones (tests/faults.py) that mostly sleep: they
+run as one group on the other worker, before its single-process tests, a module at a time (module fixtures are
 computed once). The rank pools end with the test run."""
 
 import pytest
@@ -12,18 +13,22 @@ from tests import launch
 def pytest_collection_modifyitems(config, items):
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            item.add_marker(pytest.mark.xdist_group("ranks" if _starts_ranks(item) else item.module.__name__))
-    items.sort(key=lambda item: not _starts_ranks(item))  # stable: modules keep their order
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # stable: modules keep their order (run_tests.sh keeps xdist from reordering the groups by size)
+    items.sort(key=lambda item: {"ranks": 0, "paced": 1}.get(_group(item), 2))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    launch.may_start_ranks(_starts_ranks(item), item.nodeid)
+    launch.may_start_ranks(_group(item) in ("ranks", "paced"), item.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
     launch.close_pools()
 
 
-def _starts_ranks(item) -> bool:
-    return item.get_closest_marker("ranks") is not None
+def _group(item) -> str:
+    for marker in ("paced", "ranks"):
+        if item.get_closest_marker(marker) is not None:
+            return marker
+    return item.module.__name__

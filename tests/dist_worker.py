@@ -1,12 +1,14 @@
 """Runs training cases on a pool of ranks and saves what the tests compare.
 
-    torchrun --nproc_per_node=N tests/dist_worker.py QUEUE_DIR
+    python tests/dist_worker.py QUEUE_DIR N
 
-The ranks stay up for the whole test run (tests/launch.py's `RankPool` starts them once per world size, so the
-~8 s of a launch is paid once, not per test): each job is a file `QUEUE_DIR/job-K.pt` holding (function, cases,
-steps), the function named "module:name" and called as function(case, steps) for each case in order; rank 0
-writes the list of what it returned to `result-K.pt`. A rank that fails writes `error-K-RANK.txt` and exits,
-which ends the pool (torchrun stops the other ranks); the next job starts a fresh one.
+The ranks stay up for the whole test run (tests/launch.py's `RankPool` starts them once per world size, so a
+launch is paid once, not per test). This process imports what the ranks run, then forks them (`start_ranks`): N
+ranks start in the time of one import instead of N (2.3 s of CPU each, ~40 s at 16 ranks on two cores). Each job
+is a file `QUEUE_DIR/job-K.pt` holding (function, cases, steps), the function named "module:name" and called as
+function(case, steps) for each case in order; rank 0 writes the list of what it returned to `result-K.pt`; then
+the ranks drop every process group but the world's. A rank that fails writes `error-K-RANK.txt` and exits, which
+ends the pool (the parent stops the other ranks, as torchrun would); the next job starts a fresh one.
 
 run_grads: per-step losses and step-1 gradients (full tensors), in a temporary dump folder.
 run_train: the real `train()` loop (checkpoints and resume included, in the case's dump folder):
@@ -14,9 +16,12 @@ per-step losses, the ids (content hashes) of the samples each step consumed over
 final parameters. The same functions run in-process for single-process references.
 """
 
+import gc
 import importlib
 import itertools
 import os
+import signal
+import socket
 import sys
 import tempfile
 import time
@@ -26,6 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 
 from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.init import bare_name
@@ -133,11 +141,66 @@ def serve(queue: Path) -> None:
         except BaseException:
             (queue / f"error-{k}-{rank}.txt").write_text(traceback.format_exc())
             sys.stderr.flush()
-            os._exit(1)  # torchrun ends the other ranks, which may wait in a collective
+            os._exit(1)  # start_ranks ends the other ranks, which may wait in a collective
+        release_groups()
         if rank == 0:
             torch.save(results, queue / f"result-{k}.tmp")
             os.replace(queue / f"result-{k}.tmp", queue / f"result-{k}.pt")
 
 
+def release_groups() -> None:
+    """Every process group but the world's, and what torch remembers of the job's meshes. Kept, each mesh's gloo
+    groups would keep their threads polling for the rest of the run (~0.06% of a core a group, hundreds of groups);
+    torch's DTensor caches key on a mesh's layout, so a later job's equal mesh would find the destroyed groups."""
+    if not dist.is_initialized():
+        return
+    gc.collect()  # the job's trainer (reference cycles) holds its meshes, and they their groups
+    dist.barrier()  # no rank still has traffic on a group another one closes
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    world = dist.distributed_c10d._get_default_group()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+    del group
+    gc.collect()
+
+
+def start_ranks(queue: Path, nproc: int) -> int:
+    """Fork `nproc` ranks that `serve(queue)` with the environment torchrun gives (one host); when one fails, stop
+    the others. The exit status: 0 when every rank ended well."""
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            code = 1
+            try:
+                serve(queue)
+                code = 0
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        ranks.append(pid)
+    while ranks:
+        pid, status = os.wait()
+        ranks.remove(pid)
+        if status != 0:
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+            return 1
+    return 0
+
+
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]))
+    sys.exit(start_ranks(Path(sys.argv[1]), int(sys.argv[2])))

@@ -68,15 +68,14 @@ def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
 
 
 class RankPool:
-    """`nproc` ranks under one torchrun that run job after job (tests/dist_worker.py's `serve`): a test pays for
-    its cases, not for starting torch in every rank again."""
+    """`nproc` ranks that run job after job (tests/dist_worker.py's `start_ranks` and `serve`): a test pays for its
+    cases, not for starting torch in every rank again."""
 
     def __init__(self, nproc: int):
         self.nproc, self.jobs = nproc, 0
         self.queue = Path(tempfile.mkdtemp(prefix=f"tessera-ranks{nproc}-"))
         self.log = open(self.queue / "ranks.log", "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / "tests" / "dist_worker.py"), str(self.queue)]
+        cmd = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(self.queue), str(nproc)]
         self.proc = subprocess.Popen(cmd, env=_RANK_ENV, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -118,14 +117,12 @@ class RankPool:
 
 _RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # as at start: tests' setenv stay out
 _pools: dict[int, RankPool] = {}
-# Then a fresh pool: every mesh a job builds leaves its gloo groups behind (destroying them breaks the device meshes
-# torch caches by layout), and their threads poll while the ranks wait, ~0.06% of a core per group.
-JOBS_PER_POOL = 8
 KEEP_UP_TO = 8  # ranks of a pool kept up between jobs
 
 
 def may_start_ranks(marked: bool, test: str) -> None:
-    """Set by tests/conftest.py before each test: whether it is marked `ranks` (run serially, on one xdist worker)."""
+    """Set by tests/conftest.py before each test: whether it is marked `ranks` or `paced` (not beside another
+    test's ranks)."""
     _running.update(marked=marked, test=test)
 
 
@@ -143,7 +140,7 @@ def on_ranks(nproc: int, target: str, cases: list, steps: int, timeout: float = 
     ranks that ran nothing before (a case that needs what no earlier case imported)."""
     check_marked()
     pool = _pools.get(nproc)
-    if pool is None or fresh or pool.jobs >= JOBS_PER_POOL or pool.proc.poll() is not None:
+    if pool is None or fresh or pool.proc.poll() is not None:
         if pool is not None:
             pool.close()
         pool = _pools[nproc] = RankPool(nproc)

@@ -100,6 +100,7 @@ def rows(dump: Path, replica_id: int) -> list[dict]:
     return local.rows(dump / f"replica_{replica_id}")
 
 
+@pytest.mark.paced
 def test_killed_group_rejoins_from_a_live_peer_and_too_few_groups_stop_committing(tmp_path, lighthouse):
     """Three groups, min_replica_size 2. Group 2 is SIGKILLed at a random step: 0 and 1 go on, committing every
     step; relaunched, it recovers from a live peer and from then on holds their state bit for bit. Then 1 and 2 die:
@@ -186,6 +187,7 @@ def test_whole_job_restart_resumes_the_checkpoint_exactly(tmp_path, lighthouse):
                  reference[i][r["step"]]["ft/state_digest"])
 
 
+@pytest.mark.paced
 def test_two_jobs_on_one_lighthouse_do_not_mix(tmp_path, lighthouse):
     """Job A trains alone; job B (another seed, its own folder, also replica 0 of 2) joins the same lighthouse: B is
     refused in one line before it copies anything from A; A commits only steps whose quorum is itself, and goes on."""

@@ -72,7 +72,7 @@ def uninterrupted(tmp_path_factory):
     return _losses(dump)
 
 
-@pytest.mark.ranks
+@pytest.mark.paced
 def test_sigterm_to_every_process_saves_the_step_reached_and_the_relaunch_loses_nothing(tmp_path, uninterrupted):
     """SLURM's way: the launcher and each rank get SIGTERM (each rank then a second from the launcher) while an
     async save may be in flight; the relaunch's losses equal the uninterrupted run's."""
@@ -91,7 +91,7 @@ def test_sigterm_to_every_process_saves_the_step_reached_and_the_relaunch_loses_
     assert _losses(dump) == uninterrupted  # the steps up to the stop, then the relaunch's: bit for bit
 
 
-@pytest.mark.ranks
+@pytest.mark.paced
 def test_sigterm_to_the_launcher_only_and_again_during_the_save(tmp_path):
     """Kubernetes' way: only the launcher gets SIGTERM and passes it on; a second one arrives while the stop's
     checkpoint is written (slowed here): the save completes and counts, once."""
@@ -114,7 +114,7 @@ def test_sigterm_to_the_launcher_only_and_again_during_the_save(tmp_path):
     _stopped_step(out, dump)
 
 
-@pytest.mark.ranks
+@pytest.mark.paced
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """Only rank 1 gets it: the ranks agree at the next step boundary, save that step together, and exit."""
     dump = tmp_path / "run"

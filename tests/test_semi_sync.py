@@ -199,7 +199,7 @@ def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_ex
             assert [r[k] for k in keys] == [first[i][r["step"]][k] for k in keys], (i, r["step"])
 
 
-@pytest.mark.ranks
+@pytest.mark.paced
 def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse):
     """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
     alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the

@@ -58,12 +58,26 @@ def rows(folder: Path) -> list[dict]:
 def kill(proc: subprocess.Popen) -> None:
     """SIGKILL the process and every process under it at once, as a node failure would (torchrun starts its
     workers in sessions of their own)."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
+    # Until every one has exited, a file lock it holds (the group's replica-id lock) would refuse the relaunch.
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids[1:]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not yet a zombie (a zombie holds no files)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _descendants(pid: int) -> list[int]:
