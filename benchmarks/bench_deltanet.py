@@ -26,7 +26,7 @@ def _layers(a, device, dtype):
     import torch
 
     from tessera.models.common.deltanet import GatedDeltaNet
-    from tessera.models.common.qwen3_5_model import GatedAttention
+    from tessera.models.qwen3_5.model import GatedAttention
 
     torch.manual_seed(0)
     attention = GatedAttention(a.dim, 4, 2, 128, 32, 1e-6)

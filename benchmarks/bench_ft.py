@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, smoke_option, write_json  # noqa: E402, I001
 
-from tessera.ft import local  # noqa: E402
+from tests import replica_groups as local  # noqa: E402  (the replica groups the tests start, on this machine)
 
 
 def step_seconds(rows: list[dict], seq_len: int, batch: int) -> dict[int, float]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.ft import local
-from tessera.ft.local import kill, wait_for
+from tests import replica_groups as local
 from tests.launch import TINY, merge, read_metrics, run_dist
+from tests.replica_groups import kill, wait_for
 
 pytestmark = pytest.mark.ranks  # every test here starts ranks
 

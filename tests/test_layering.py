@@ -1,8 +1,9 @@
 """The layering, read from the imports of every module under tessera/ (those inside functions too;
 scripts/import_floors.py reads them): every module on a floor, importing only from below it (its own part, a
 sibling part before its own, a lower floor), commands on the top floor only; the config schema at the bottom,
-families that import neither each other nor the trainer, no circle, and nothing that imports an entry point
-(`__main__`)."""
+model groups that import neither each other nor the trainer, families that import no other family (what a group's
+families share is the group's own code, which imports none of them), no circle, and nothing that imports an entry
+point (`__main__`)."""
 
 import ast
 import pathlib
@@ -10,11 +11,11 @@ import pathlib
 import pytest
 
 from scripts import import_floors as floors
-from scripts.import_floors import GRAPH, MODULES, ROOT, family_of, under
+from scripts.import_floors import GRAPH, MODULES, ROOT, group_of, under
 
 pytestmark = pytest.mark.fast
 
-ABOVE_FAMILIES = {"tessera.trainer", "tessera.train", "tessera.generate", "tessera.plan", "tessera.estimate"}
+ABOVE_MODELS = {"tessera.trainer", "tessera.train", "tessera.generate", "tessera.plan", "tessera.estimate"}
 
 
 def test_config_imports_nothing_else_of_tessera():
@@ -25,22 +26,36 @@ def test_config_imports_nothing_else_of_tessera():
     assert not wrong, sorted(wrong)
 
 
-def test_families_import_neither_each_other_nor_the_trainer():
+def test_groups_import_neither_each_other_nor_the_trainer():
     wrong = set()
     for m, deps in GRAPH.items():
-        own = family_of(m)
+        own = group_of(m)
         if own is None:
             continue
         for i in deps:
-            other = family_of(i)
-            if (other is not None and other != own) or any(under(i, top) for top in ABOVE_FAMILIES):
+            other = group_of(i)
+            if (other is not None and other != own) or any(under(i, top) for top in ABOVE_MODELS):
                 wrong.add((m, i))
     assert not wrong, sorted(wrong)
 
 
-def test_shared_model_code_imports_no_family():
+def test_a_groups_families_import_only_its_shared_code_never_each_other():
+    assert not floors.within_groups(), floors.within_groups()
+    assert "tessera.models.qwen3_5.moe" in floors.FAMILY_FOLDERS  # the registry was read: the finding means something
+
+
+def test_the_group_rule_finds_a_family_importing_its_sibling_and_shared_code_importing_a_family():
+    made_up = {"tessera.models.qwen3_5.moe.args": {"tessera.models.qwen3_5.dense.args", "tessera.models.qwen3_5.args"},
+               "tessera.models.qwen3_5.counts": {"tessera.models.qwen3_5.moe"},
+               "tessera.models.qwen3_5.model": {"tessera.models.common.attention"},
+               "tessera.models.llama3.hf": {"tessera.models.common.hf"}}
+    assert floors.within_groups(made_up) == [("tessera.models.qwen3_5.counts", "tessera.models.qwen3_5.moe"),
+                                             ("tessera.models.qwen3_5.moe.args", "tessera.models.qwen3_5.dense.args")]
+
+
+def test_shared_model_code_imports_no_group():
     wrong = {(m, i) for m, deps in GRAPH.items() if under(m, "tessera.models.common") or m == "tessera.models.contract"
-             for i in deps if family_of(i) is not None}
+             for i in deps if group_of(i) is not None}
     assert not wrong, sorted(wrong)
 
 
@@ -100,16 +115,20 @@ def test_every_import_points_down():
 
 
 def test_the_floor_rule_finds_what_climbs():
-    """The rule itself, on imports that climb: a floor up, a sibling part above, another family, a family's
-    command reaching the launcher (so an empty finding above means something); what points down passes."""
+    """The rule itself, on imports that climb: a floor up, a sibling part above, another group (from a family or
+    from a group's shared code), a family's command reaching the launcher (so an empty finding above means
+    something); what points down passes."""
     climbing = {"tessera.checkpoint.manager": {"tessera.trainer"}, "tessera.muon": {"tessera.checkpoint.plain"},
                 "tessera.models.flux.data": {"tessera.models.llama3.args"}, "tessera.data.tokens": {"tessera.config"},
-                "tessera.models.flux.generate": {"tessera.preflight"}}
+                "tessera.models.flux.generate": {"tessera.preflight"},
+                "tessera.models.qwen3_5.model": {"tessera.models.deepseek.v3.model", "tessera.models.qwen3_5.args"}}
     assert floors.upward_imports(climbing) == [("tessera.checkpoint.manager", "tessera.trainer"),
                                                ("tessera.models.flux.data", "tessera.models.llama3.args"),
                                                ("tessera.models.flux.generate", "tessera.preflight"),
+                                               ("tessera.models.qwen3_5.model", "tessera.models.deepseek.v3.model"),
                                                ("tessera.muon", "tessera.checkpoint.plain")]
-    assert floors.part_of("tessera.models.flux.generate") == ("tessera.models.flux", floors.FAMILY)
+    assert floors.part_of("tessera.models.flux.generate") == ("tessera.models.flux", floors.GROUP)
+    assert floors.part_of("tessera.models.qwen3_5.moe.hf") == ("tessera.models.qwen3_5", floors.GROUP)
 
 
 def test_commands_are_on_the_top_floor_only():

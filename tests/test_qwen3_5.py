@@ -102,7 +102,7 @@ def test_cached_decoding_equals_the_uncached_path(fam):
 
 @pytest.mark.fast
 def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs(caplog):
-    from tessera.models.common.qwen3_5_options import Qwen35Options, apply_options
+    from tessera.models.qwen3_5.options import Qwen35Options, apply_options
 
     with torch.device("meta"):
         model = DENSE.spec().model(dataclasses.replace(DENSE.flavors["tiny"], vocab_size=50))

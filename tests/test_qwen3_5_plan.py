@@ -16,7 +16,7 @@ from tessera.estimate.scans import scans_at_once
 from tessera.memory import LiveBytes
 from tessera.models import family
 from tessera.models.common.deltanet import GatedDeltaNet
-from tessera.models.common.qwen3_5_args import FULL, LINEAR
+from tessera.models.qwen3_5.args import FULL, LINEAR
 from tessera.plan import main as plan_main
 from tessera.preflight import parse_args
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.data import build_dataloader
-from tessera.ft import local
-from tessera.ft.local import kill, wait_for
+from tests import replica_groups as local
+from tests.replica_groups import kill, wait_for
 from tests.test_fault_tolerance import final_weights, finish, ft_flags, rows, start_group, start_single
 
 pytest.importorskip("torchft")

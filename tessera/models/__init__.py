@@ -1,5 +1,7 @@
-"""Model families. Each lives in one folder, `tessera/models/<name>/`, whose `__init__.py` defines `FAMILY`
-(a tessera.models.contract.Family); the building blocks they share are in `tessera/models/common/`."""
+"""Model families. Each lives in one folder whose `__init__.py` defines `FAMILY` (a
+tessera.models.contract.Family): `tessera/models/<name>/`, or, for a family of a group, a folder in the group's
+folder (`tessera/models/qwen3_5/moe/`), beside the code the group's families share. Groups never import each other;
+the building blocks several groups share are in `tessera/models/common/`."""
 
 import dataclasses
 import importlib
@@ -8,13 +10,16 @@ import os
 from typing import NamedTuple
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux", "qwen3_5", "qwen3_5_moe")
+# The folder (under tessera/models/) of each family in a group; any other family's is named as the family.
+IN_GROUPS = {"qwen3": "qwen3.dense", "qwen3_moe": "qwen3.moe", "deepseek_v3": "deepseek.v3",
+             "qwen3_5": "qwen3_5.dense", "qwen3_5_moe": "qwen3_5.moe"}
 
 
 def family(name: str):
     """The family called `name` (torch-free; `.spec()` imports its torch side)."""
     if name not in FAMILIES:
         raise KeyError(f"unknown model family '{name}'; one of {', '.join(FAMILIES)}")
-    return importlib.import_module(f"tessera.models.{name}").FAMILY
+    return importlib.import_module(f"tessera.models.{IN_GROUPS.get(name, name)}").FAMILY
 
 
 def family_of(args):

@@ -1,20 +1,3 @@
-"""Qwen 3.5 dense: a hybrid decoder of Gated DeltaNet (linear attention) blocks and gated full-attention blocks
-(tessera/models/common/qwen3_5_model.py)."""
-
-from tessera.models.common.qwen3_5_args import param_role
-from tessera.models.common.qwen3_5_counts import check_hybrid_layout, hybrid_counts
-from tessera.models.common.qwen3_5_options import Qwen35Options, check
-from tessera.models.contract import Counts, Family
-from tessera.models.qwen3_5 import hf
-from tessera.models.qwen3_5.args import FLAVORS, TAKES_TOKENIZER_VOCAB
-
-
-def counts(args, seq_len: int) -> Counts:
-    swiglu = 3 * args.dim * args.ffn_hidden
-    return hybrid_counts(args, seq_len, swiglu, swiglu)
-
-
-FAMILY = Family(name="qwen3_5", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
-                counts=counts, check_layout=check_hybrid_layout, embedding="tok_embeddings.weight",
-                high_precision=("output",), torch_side="tessera.models.qwen3_5.spec:SPEC",
-                hf_model_type=hf.MODEL_TYPE, options=Qwen35Options, check=check, param_role=param_role)
+"""The Qwen 3.5 group: the hybrid decoder of Gated DeltaNet and gated full-attention blocks (`model.py`), its
+hyper-parameters, counts, options, plan and Hugging Face names, shared by the dense family (`dense/`, qwen3_5) and
+the MoE family (`moe/`, qwen3_5_moe)."""

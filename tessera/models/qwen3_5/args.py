@@ -1,29 +1,63 @@
-"""Qwen 3.5 dense flavors. Torch-free, so configs are checked before launch.
+"""Qwen 3.5's hyper-parameters, shared by its dense family (tessera/models/qwen3_5/dense) and its MoE family
+(qwen3_5_moe): a hybrid of Gated DeltaNet blocks and gated full-attention blocks (`layer_types`). Torch-free."""
 
-The released sizes as TorchTitan's qwen3_5 flavors state them (torchtitan/models/qwen3_5/flavors.py, which loads
-the released weights), rope_theta 1e7 in all (transformers' class default, 1e4, is a placeholder the released
-config.json overrides). "9B" is also transformers' `Qwen3_5TextConfig` defaults (its example: "the Qwen3.5-9B style
-configuration"); slime's Megatron scripts (THUDM/slime scripts/models) give the same attention, FFN, tying and
-rope_theta for 0.8B and 27B. The three smallest tie the embedding and the output."""
+import dataclasses
+from dataclasses import dataclass, field
 
-from tessera.models.common.qwen3_5_args import FULL, LINEAR, Qwen35Args
+LINEAR, FULL = "linear_attention", "full_attention"
 
-# name: dim, layers, heads, kv heads, head_dim, ffn hidden, linear k heads, v heads, k/v head dim
-_TABLE = {
-    "tiny": (64, 4, 4, 2, 16, 128, 2, 4, 16),  # for tests: milliseconds per step
-    "debugmodel": (256, 8, 8, 2, 64, 768, 4, 8, 32),
-    "0.8B": (1024, 24, 8, 2, 256, 3584, 16, 16, 128),
-    "2B": (2048, 24, 8, 2, 256, 6144, 16, 16, 128),
-    "4B": (2560, 32, 16, 4, 256, 9216, 16, 32, 128),
-    "9B": (4096, 32, 16, 4, 256, 12288, 16, 32, 128),
-    "27B": (5120, 64, 24, 4, 256, 17408, 16, 48, 128),
-}
-_TIED = {"0.8B", "2B", "4B"}
-# tiny alternates its mixers, so that each of two pipeline stages holds both
-_TYPES = {"tiny": [LINEAR, FULL, LINEAR, FULL]}
 
-FLAVORS = {name: Qwen35Args(dim=d, n_layers=n, n_heads=h, n_kv_heads=kv, head_dim=hd, ffn_hidden=f, linear_k_heads=lk,
-                            linear_v_heads=lv, linear_k_dim=ld, linear_v_dim=ld, layer_types=_TYPES.get(name, []),
-                            rope_theta=1e7, tie_embeddings=name in _TIED)
-           for name, (d, n, h, kv, hd, f, lk, lv, ld) in _TABLE.items()}
-TAKES_TOKENIZER_VOCAB = {"tiny", "debugmodel"}
+def every_fourth_full(n_layers: int, interval: int = 4) -> list[str]:
+    """transformers' default pattern: blocks interval-1, 2 interval-1, ... are full attention, the rest DeltaNet."""
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+
+
+@dataclass
+class Qwen35Args:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 16  # full attention's query heads
+    n_kv_heads: int = 4
+    head_dim: int = 256
+    ffn_hidden: int = 12288
+    vocab_size: int = 248320  # the debug flavors take the tokenizer's instead
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25  # RoPE turns the first head_dim * this of each head, the rest pass
+    max_seq_len: int = 4096  # length of the RoPE table; set from training.seq_len
+    tie_embeddings: bool = False
+    linear_k_heads: int = 16  # DeltaNet's query/key heads
+    linear_v_heads: int = 32  # its value heads (a multiple of the key heads)
+    linear_k_dim: int = 128
+    linear_v_dim: int = 128
+    conv_kernel: int = 4  # the causal depthwise convolution's width
+    layer_types: list[str] = field(default_factory=list)  # per block: linear_attention or full_attention; empty:
+    # every fourth block full (transformers' default)
+
+    qk_norm = True  # not fields: the full-attention blocks' per-head q/k RMSNorm, no biases, an output gate
+    attention_bias = False
+    rope_scaling = None
+    moe = None
+
+    def __post_init__(self):
+        self.layer_types = list(self.layer_types) or every_fourth_full(self.n_layers)
+        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types = {self.layer_types!r}: one of {LINEAR!r} or {FULL!r} per block "
+                             f"({self.n_layers})")
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear(self, layer_id: int) -> bool:
+        return self.layer_types[layer_id] == LINEAR
+
+    def arch(self) -> dict:
+        """What the model computes with, to compare two args."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
+
+
+def param_role(name: str, shape: tuple[int, ...]) -> str | None:
+    """The DeltaNet's convolution taps [channels, K] are a filter per channel, not a linear map: a vector's role
+    (AdamW, no weight decay under weight_decay_exclude), not Muon's."""
+    return "vector" if ".attention.heads.conv_" in name else None

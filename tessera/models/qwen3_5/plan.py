@@ -3,13 +3,13 @@
 way: its in-projections column-wise, its per-head parameters (convolution taps, decay) by head, its gated norm (over
 each head's values) like the q/k norms, its out-projection row-wise. Context parallelism: Ulysses only
 (tessera.parallel.cp.UlyssesHeads splits DeltaNet's heads over CP as attention's; all-gather CP is refused before
-launch by the family's check, tessera.models.common.qwen3_5_options.check)."""
+launch by the family's check, tessera.models.qwen3_5.options.check)."""
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.models.common.deltanet import GatedDeltaNet
 from tessera.models.common.plan import QK_NORM_BLOCK_TP_PLAN, parallelize_decoder
-from tessera.models.common.qwen3_5_options import apply_options
+from tessera.models.qwen3_5.options import apply_options
 from tessera.parallel.tp import ShardedByHead, attention_plan
 
 _NORMS = ("attention_norm", "ffn_norm")

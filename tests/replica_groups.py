@@ -1,4 +1,4 @@
-"""Replica groups on this machine, as separate processes (for tests, benchmarks and trying it on a laptop): a
+"""Replica groups on this machine, as separate processes (for the tests and benchmarks/bench_ft.py): a
 lighthouse in this process, groups of one process started without torchrun (each starts its own store)."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_lighthouse(heartbeat_timeout_ms: int = 2000):

@@ -3,6 +3,6 @@ layer keeps each rank's sequence slice (its experts are split by EP, not TP), a 
 split as in the dense models."""
 
 from tessera.models.common.plan import QK_NORM_BLOCK_TP_PLAN, decoder_plan
-from tessera.models.qwen3_moe import FAMILY
+from tessera.models.qwen3.moe import FAMILY
 
 parallelize = decoder_plan(QK_NORM_BLOCK_TP_PLAN, FAMILY.high_precision)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import InitVar, dataclass, field
 
 from tessera.models.common.moe_args import MoEArgs, sparse_layers
-from tessera.models.common.qwen3_args import Qwen3Args
+from tessera.models.qwen3.args import Qwen3Args
 
 
 @dataclass

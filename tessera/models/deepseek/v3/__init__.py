@@ -3,9 +3,9 @@ routing, shared experts, dense first blocks), the shared decoder otherwise."""
 
 from tessera.models.common.counts import check_decoder_layout
 from tessera.models.contract import Counts, Family
-from tessera.models.deepseek_v3 import hf
-from tessera.models.deepseek_v3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
-from tessera.models.deepseek_v3.options import DeepSeekV3Options, check
+from tessera.models.deepseek.v3 import hf
+from tessera.models.deepseek.v3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
+from tessera.models.deepseek.v3.options import DeepSeekV3Options, check
 
 
 def counts(args, seq_len: int) -> Counts:
@@ -31,7 +31,7 @@ def counts(args, seq_len: int) -> Counts:
 
 FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
-                high_precision=("output", "router"), torch_side="tessera.models.deepseek_v3.spec:SPEC",
+                high_precision=("output", "router"), torch_side="tessera.models.deepseek.v3.spec:SPEC",
                 hf_model_type="deepseek_v3", options=DeepSeekV3Options, check=check,
                 moved_options={"training.mtp_loss_weight": "mtp_loss_weight"}, metrics={"mtp_loss": "mtp"},
                 trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0)

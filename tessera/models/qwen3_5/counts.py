@@ -1,4 +1,4 @@
-"""Parameter and FLOP counts of Qwen 3.5's hybrid decoder (tessera/models/common/qwen3_5_model.py), and what
+"""Parameter and FLOP counts of Qwen 3.5's hybrid decoder (tessera/models/qwen3_5/model.py), and what
 its layouts need. Torch-free."""
 
 from tessera.models.common.counts import check_decoder_layout
@@ -52,7 +52,7 @@ def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Count
 
 def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     """The shared decoder's needs, and under TP DeltaNet's key and value heads split too. Context parallelism: its
-    method decides (tessera.models.common.qwen3_5_options.check)."""
+    method decides (tessera.models.qwen3_5.options.check)."""
     check_decoder_layout(args, tp, 1, pp, label)
     for what, size in (("DeltaNet key heads", args.linear_k_heads), ("DeltaNet value heads", args.linear_v_heads)):
         if tp > 1 and size % tp:

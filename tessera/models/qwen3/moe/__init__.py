@@ -2,8 +2,8 @@
 
 from tessera.models.common.counts import check_decoder_layout, decoder_counts
 from tessera.models.contract import Counts, Family
-from tessera.models.qwen3_moe import hf
-from tessera.models.qwen3_moe.args import FLAVORS, TAKES_TOKENIZER_VOCAB
+from tessera.models.qwen3.moe import hf
+from tessera.models.qwen3.moe.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 
 
 def counts(args, seq_len: int) -> Counts:
@@ -20,5 +20,5 @@ def counts(args, seq_len: int) -> Counts:
 
 FAMILY = Family(name="qwen3_moe", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
-                high_precision=("output", "router"), torch_side="tessera.models.qwen3_moe.spec:SPEC",
+                high_precision=("output", "router"), torch_side="tessera.models.qwen3.moe.spec:SPEC",
                 hf_model_type="qwen3_moe")

@@ -4,7 +4,7 @@
 import re
 
 from tessera.models.common import hf as shared
-from tessera.models.qwen3_moe.args import Qwen3MoeArgs
+from tessera.models.qwen3.moe.args import Qwen3MoeArgs
 
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _NAMES = shared.Renamer("Qwen 3 MoE", {**shared.DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",

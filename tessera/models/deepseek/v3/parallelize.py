@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from tessera.config import JobConfig
 from tessera.distributed import World
 from tessera.models.common.plan import NORMS, parallelize_decoder
-from tessera.models.deepseek_v3 import FAMILY
+from tessera.models.deepseek.v3 import FAMILY
 from tessera.parallel.cp import ContextParallelLookahead
 from tessera.parallel.tp import Replicated, attention_plan
 

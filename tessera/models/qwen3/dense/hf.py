@@ -1,7 +1,7 @@
 """Hugging Face <-> Tessera for Qwen 3 dense (`Qwen3ForCausalLM`): Llama's names plus the q/k norms."""
 
 from tessera.models.common import hf as shared
-from tessera.models.qwen3.args import Qwen3Args
+from tessera.models.qwen3.dense.args import Qwen3Args
 
 _NAMES = shared.Renamer("Qwen 3", {**shared.DECODER_LAYER, "attention.q_norm": "self_attn.q_norm",
                                    "attention.k_norm": "self_attn.k_norm"}, shared.DECODER_TOP)

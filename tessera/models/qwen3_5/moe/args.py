@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tessera.models.common.moe_args import MoEArgs
-from tessera.models.common.qwen3_5_args import FULL, LINEAR, Qwen35Args
+from tessera.models.qwen3_5.args import FULL, LINEAR, Qwen35Args
 
 
 @dataclass

@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from tessera.models.common import hf as shared
-from tessera.models.deepseek_v3.args import DeepSeekV3Args
+from tessera.models.deepseek.v3.args import DeepSeekV3Args
 
 _LAYER = {**{k: v for k, v in shared.DECODER_LAYER.items() if not k.startswith("attention.")},
           "attention.wq": "self_attn.q_proj", "attention.wq_a": "self_attn.q_a_proj",

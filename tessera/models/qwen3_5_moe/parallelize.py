@@ -1,8 +1,0 @@
-"""Qwen 3.5 MoE's parallelism plan: Qwen 3.5's (tessera/models/common/qwen3_5_plan.py); the MoE layers keep each
-rank's sequence slice under TP and split their experts by EP, their router and gated shared expert sharded like
-the shared decoder's."""
-
-from tessera.models.common.qwen3_5_plan import plan
-from tessera.models.qwen3_5_moe import FAMILY
-
-parallelize = plan("qwen3_5_moe", FAMILY.high_precision)
