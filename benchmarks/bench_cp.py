@@ -84,7 +84,7 @@ def worker(a) -> None:
         def leave(*_):
             counter.__exit__(None, None, None)
 
-        hooks = [h for block in tr.model.layers.values() for h in (
+        hooks = [h for block in tr.step_parts.model.layers.values() for h in (
             block.attention.sdpa.register_forward_pre_hook(enter), block.attention.sdpa.register_forward_hook(leave))]
         with LiveBytes() as meter:
             train_step(tr)

@@ -49,7 +49,7 @@ def loss_grid(a) -> dict:
             losses = []
             for _ in range(a.steps):
                 loss = train_step(tr)[0]
-                tr.step += 1
+                tr.progress.step += 1
                 losses.append(float(loss))
             tr.metrics.close()
             tail = losses[-max(1, a.steps // 10):]

@@ -169,7 +169,7 @@ def live_memory(tr):
         yield
         return
     with tr.live_bytes:
-        for part in tr.pipeline.parts if tr.pipeline is not None else [tr.model]:
+        for part in tr.step_parts.pipeline.parts if tr.step_parts.pipeline is not None else [tr.step_parts.model]:
             tr.live_bytes.track(model_state(part, tr.optimizer))
         yield
 

@@ -40,7 +40,6 @@ class StepParts:
     loss_scale: LossScale  # what loss_fn's value is multiplied by (the pipeline schedule's loss reads it too)
     labels_in_forward: bool  # the model takes the labels and returns its loss (training.loss_chunks)
     loss_parallel: bool  # the logits are vocab-sharded (TP): the loss is computed on the shards
-    extra_loss: Callable[[nn.Module], torch.Tensor] | None  # the family's auxiliary loss terms, after each forward
     side_losses: tuple[SideLoss, ...]  # losses the model computes itself (multi-token prediction), for metrics
     autocast: contextlib.AbstractContextManager  # bf16 compute without FSDP (which casts parameters itself)
     grad_accum: int  # micro-batches per optimizer step
@@ -48,9 +47,9 @@ class StepParts:
 
 
 def forward_backward(step: StepParts, inputs: dict, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
-    """Loss of one micro-batch times step.loss_scale (the auxiliary loss divided by grad_accum when training), with
-    its backward when training; `inputs`: the model's by keyword. Under pipelining the schedule runs both (the
-    first stage takes the tokens, every stage the rest); only the last stage sees the loss (others return 0)."""
+    """Loss of one micro-batch times step.loss_scale, with its backward when training; `inputs`: the model's by keyword.
+    Under pipelining the schedule runs both (the first stage takes the tokens, every stage the rest); only the last
+    stage sees the loss (others return 0)."""
     pipe = step.pipeline
     if step.labels_in_forward:
         inputs = {**inputs, "labels": labels}
@@ -58,8 +57,6 @@ def forward_backward(step: StepParts, inputs: dict, labels: torch.Tensor, train:
         if pipe is None:
             with step.autocast:
                 loss = step.loss_fn(step.model(**inputs), labels) * step.loss_scale.value
-                if step.extra_loss is not None:
-                    loss = loss + step.extra_loss(step.model) / (step.grad_accum if train else 1)
             if train:
                 loss.backward()
             return local(loss.detach())

@@ -57,7 +57,7 @@ def dp_cp_sum(value: torch.Tensor, world: World) -> torch.Tensor:
 
 def step_batches(tr: Trainer, times: list[float]):
     """The step's micro-batches, each one's loading time appended to `times`."""
-    for _ in range(tr.grad_accum):
+    for _ in range(tr.step_parts.grad_accum):
         start = time.perf_counter()
         batch = tr.batch_fn(tr.loader)
         times.append(time.perf_counter() - start)
@@ -68,17 +68,17 @@ def set_loss_scale(tr: Trainer, labels: list[torch.Tensor] | None) -> torch.Tens
     """Before a step: the token loss's scale from the trained tokens of the whole global batch (`labels`: this
     rank's micro-batches'), which it returns; a family's own mean loss: 1 / its micro-batches."""
     if labels is None:
-        tr.loss_scale.value = 1.0 / micro_batches(tr.cfg, tr.world, tr.grad_accum)
+        tr.step_parts.loss_scale.value = 1.0 / micro_batches(tr.cfg, tr.world, tr.step_parts.grad_accum)
         return None
     trained = dp_cp_sum(torch.stack([trained_tokens(y) for y in labels]).sum().float(), tr.world)
-    tr.loss_scale.value = tr.world.dims.dp * tr.world.dims.cp / trained.clamp(min=1)
+    tr.step_parts.loss_scale.value = tr.world.dims.dp * tr.world.dims.cp / trained.clamp(min=1)
     return trained
 
 
 def pp_share(value: torch.Tensor, tr: Trainer) -> torch.Tensor:
     """The last stage's loss, on every stage."""
-    if tr.pipeline is not None:
-        dist.all_reduce(value, group=tr.pipeline.group)
+    if tr.step_parts.pipeline is not None:
+        dist.all_reduce(value, group=tr.step_parts.pipeline.group)
     return value
 
 
@@ -89,7 +89,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
     if tr.replicas is not None:
         tr.replicas.begin_step()  # this step's quorum; a group behind the others recovers from a live one here
     tr.optimizer.zero_grad()
-    for side in tr.side_losses:
+    for side in tr.step_parts.side_losses:
         side.reset()
     loss_total, times = torch.zeros((), device=tr.world.device), []
     batches = step_batches(tr, times)
@@ -102,8 +102,8 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
     loss_total = pp_share(loss_total, tr)
     if tr.replicas is not None:
         tr.replicas.average_gradients()
-    grad_norm = clip_grad_norm_(tr.model.parameters(), tr.cfg.training.max_norm,
-                                pp_group=tr.pipeline.group if tr.pipeline else None)
+    grad_norm = clip_grad_norm_(tr.step_parts.model.parameters(), tr.cfg.training.max_norm,
+                                pp_group=tr.step_parts.pipeline.group if tr.step_parts.pipeline else None)
     if tr.replicas is not None and not tr.replicas.commit():
         return None
     if tr.cfg.training.nonfinite_policy == "skip" and not torch.isfinite(grad_norm).item():  # the same on every rank
@@ -113,7 +113,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
         bad = ~torch.isfinite(loss_total + grad_norm)
         if tr.first_nonfinite is None:
             tr.first_nonfinite = torch.full((), float("inf"), device=tr.world.device)
-        tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.step + 1), tr.first_nonfinite)
+        tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.progress.step + 1), tr.first_nonfinite)
         tr.optimizer.step()
         if tr.after_optimizer_step is not None:
             tr.after_optimizer_step()
@@ -126,12 +126,13 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
 def skip_update(tr: Trainer) -> None:
     """training.nonfinite_policy = skip: a step with non-finite gradients changes no weight, no optimizer state
     and no expert bias (its load statistics are dropped)."""
-    tr.skipped_steps += 1
-    limit = tr.cfg.training.max_skipped_steps
-    if tr.skipped_steps > limit:
-        raise NonFiniteError(f"step {tr.step + 1}: non-finite grad norm, {tr.skipped_steps} skipped steps, more than "
-                             f"training.max_skipped_steps = {limit}; lower optimizer.lr or check the data")
-    log.warning(f"step {tr.step + 1}: non-finite grad norm; skipped, no update ({tr.skipped_steps} of at most {limit})")
+    progress, limit = tr.progress, tr.cfg.training.max_skipped_steps
+    progress.skipped_steps += 1
+    if progress.skipped_steps > limit:
+        raise NonFiniteError(f"step {progress.step + 1}: non-finite grad norm, {progress.skipped_steps} skipped steps, "
+                             f"more than training.max_skipped_steps = {limit}; lower optimizer.lr or check the data")
+    log.warning(f"step {progress.step + 1}: non-finite grad norm; skipped, no update ({progress.skipped_steps} of at "
+                f"most {limit})")
     tr.optimizer.zero_grad()
     if tr.balancer is not None:
         reset_statistics(tr.balancer.layers)
@@ -145,16 +146,16 @@ def raise_if_nonfinite(tr: Trainer) -> None:
 
 @torch.no_grad()
 def validate_loss(tr: Trainer) -> float:
-    tr.model.eval()
+    tr.step_parts.model.eval()
     tr.val_loader.rewind()
     total, trained = torch.zeros((), device=tr.world.device), torch.zeros((), device=tr.world.device)
     # The token loss: summed, then divided by the trained tokens of all batches; a family's: a mean per batch.
-    tr.loss_scale.value = 1.0 if tr.token_loss else 1.0 / micro_batches(tr.cfg, tr.world, 1)
+    tr.step_parts.loss_scale.value = 1.0 if tr.token_loss else 1.0 / micro_batches(tr.cfg, tr.world, 1)
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = tr.batch_fn(tr.val_loader)
         total += forward_backward(tr.step_parts, inputs, labels, train=False)
         trained += trained_tokens(labels) if tr.token_loss else 0
-    tr.model.train()
+    tr.step_parts.model.train()
     total = pp_share(total, tr)
     if tr.token_loss:
         return (dp_cp_sum(total, tr.world) / dp_cp_sum(trained, tr.world).clamp(min=1)).item()
@@ -164,12 +165,12 @@ def validate_loss(tr: Trainer) -> float:
 def train(tr: Trainer) -> None:
     t, m = tr.cfg.training, tr.cfg.metrics
     # Per device: TP/PP/CP ranks of one data-parallel replica share its tokens, so each counts once.
-    tokens_per_step = t.local_batch_size * t.seq_len * tr.grad_accum * tr.world.dims.dp / tr.world.size
+    tokens_per_step = t.local_batch_size * t.seq_len * tr.step_parts.grad_accum * tr.world.dims.dp / tr.world.size
     window_start, window_data_s, window_steps, window_trained = time.perf_counter(), 0.0, 0, 0.0
-    first_step = tr.step
+    first_step = tr.progress.step
     with profiled(tr.cfg, tr.world.rank, tr.world.device, first_step) as after_step, live_memory(tr), \
             StopRequest(tr.cfg.checkpoint.save_on_signal, tr.world.size) as stop:
-        while tr.step < t.steps:
+        while tr.progress.step < t.steps:
             lr = tr.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves on to the next one's
             stepped = train_step(tr)
             if stepped is None:  # fault tolerance: not committed by the replica groups' quorum
@@ -177,30 +178,30 @@ def train(tr: Trainer) -> None:
                     stop_and_save(tr, stop, asked)
                 continue
             loss, grad_norm, data_s, trained = stepped
-            if tr.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
+            if tr.progress.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
                 set_timeout(tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
                 if tr.cfg.compile.enable:
                     log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation "
                              f"included")
-            tr.step += 1
+            tr.progress.step += 1
             after_step()
-            tr.tokens_seen += int(tokens_per_step * tr.world.size)
+            tr.progress.tokens_seen += int(tokens_per_step * tr.world.size)
             if tr.replicas is not None:
                 tr.replicas.after_step()  # semi-synchronous replica groups sync here, every sync_steps
             window_data_s, window_steps = window_data_s + data_s, window_steps + 1
             window_trained = window_trained + trained if trained is not None else None
-            last = tr.step == t.steps
-            if tr.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.step, last):
+            last = tr.progress.step == t.steps
+            if tr.progress.step % m.log_freq == 0 or last or tr.checkpointer.should_save(tr.progress.step, last):
                 raise_if_nonfinite(tr)
-            if tr.step % m.log_freq == 0 or last:
+            if tr.progress.step % m.log_freq == 0 or last:
                 log_window(tr, loss, grad_norm, lr, tokens_per_step * window_steps, window_data_s, window_start,
                            None if window_trained is None else window_trained / window_steps)
                 window_start, window_data_s, window_steps, window_trained = time.perf_counter(), 0.0, 0, 0.0
             # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
-            if tr.checkpointer.should_save(tr.step, last) and (tr.replicas is None or tr.replicas.saves()):
+            if tr.checkpointer.should_save(tr.progress.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
-            if tr.val_loader is not None and (tr.step % tr.cfg.validation.freq == 0 or last):
-                tr.metrics.log(tr.step, {"loss": validate_loss(tr)}, prefix="validation/")
+            if tr.val_loader is not None and (tr.progress.step % tr.cfg.validation.freq == 0 or last):
+                tr.metrics.log(tr.progress.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
             if tr.evaluate is not None and tr.evaluate(run_view(tr), last):  # its time is not the step's
                 window_start = time.perf_counter()
@@ -222,14 +223,14 @@ def stop_and_save(tr: Trainer, stop: StopRequest, asked: str) -> None:
     """A full checkpoint of the step reached (unless this step's was just written; an async one in flight is
     waited for), then Stopped with the line saying so."""
     saves = tr.cfg.checkpoint.enable and (tr.replicas is None or tr.replicas.saves())
-    if saves and not tr.checkpointer.should_save(tr.step, False):
+    if saves and not tr.checkpointer.should_save(tr.progress.step, False):
         tr.checkpointer.save(sync=True)
     tr.checkpointer.wait()
     at_boundary(tr, stop)  # this save failed: that line instead
-    where = (f"checkpoint step {tr.step} saved in {tr.checkpointer.root}" if saves else
+    where = (f"checkpoint step {tr.progress.step} saved in {tr.checkpointer.root}" if saves else
              "no checkpoint saved (checkpoint.enable = false)" if not tr.cfg.checkpoint.enable else
              "this replica group saves no checkpoint (another group of the job does)")
-    raise Stopped(f"stopped on {asked} after step {tr.step} of {tr.cfg.training.steps}: {where}; exit status "
+    raise Stopped(f"stopped on {asked} after step {tr.progress.step} of {tr.cfg.training.steps}: {where}; exit status "
                   f"{REQUEUE_EXIT} (relaunch, or let SLURM requeue, to resume)")
 
 
@@ -237,9 +238,9 @@ def side_loss_metrics(tr: Trainer) -> dict[str, float]:
     """Each side loss's mean since the last log over the data ranks; under pipelining the last stage's (every
     stage holds the side losses, the last runs them), on every stage."""
     out = {}
-    for metric in dict.fromkeys(m.metric for m in tr.side_losses):
+    for metric in dict.fromkeys(m.metric for m in tr.step_parts.side_losses):
         summed = torch.zeros(2, device=tr.world.device)  # its values (local: loss parallel's are DTensors), count
-        for m in tr.side_losses:
+        for m in tr.step_parts.side_losses:
             if m.metric == metric and m.count:
                 summed += torch.stack([local(m.total).float(), summed.new_tensor(float(m.count))])
         summed = pp_share(summed, tr)
@@ -265,7 +266,7 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
     if trained is not None:
         record["trained_tokens"] = float(trained)  # per step, global: tokens_seen counts every token
     if tr.cfg.training.nonfinite_policy == "skip":
-        record["skipped_steps"] = tr.skipped_steps
+        record["skipped_steps"] = tr.progress.skipped_steps
     if getattr(tr.loader, "mixture", None) is not None:  # the realized share of each dataset so far
         record.update({f"mix/{name}": share for name, share in tr.loader.shares().items()})
     if tr.balancer is not None:
@@ -274,19 +275,19 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
     record.update(live_memory_metrics(tr))
     if tr.replicas is not None:
         record.update(tr.replicas.metrics())
-    tr.metrics.log(tr.step, record)
-    tr.history.append({"step": tr.step, **record})
+    tr.metrics.log(tr.progress.step, record)
+    tr.history.append({"step": tr.progress.step, **record})
 
 
 def summarize(tr: Trainer) -> None:
     dump = os.path.abspath(tr.cfg.job.dump_folder)
     if not tr.history:
-        log.info(f"nothing to train: the checkpoint in {dump} is already at step {tr.step} of "
+        log.info(f"nothing to train: the checkpoint in {dump} is already at step {tr.progress.step} of "
                  f"{tr.cfg.training.steps}; raise training.steps or pick another job.dump_folder")
         return
     mean_tps = sum(h["tps"] for h in tr.history) / len(tr.history)
-    log.info(f"done: {tr.step} steps, final loss {tr.history[-1]['loss']:.4f}, mean {mean_tps:,.0f} tokens/s "
-             f"per device, {tr.tokens_seen:,} tokens seen")
+    log.info(f"done: {tr.progress.step} steps, final loss {tr.history[-1]['loss']:.4f}, mean {mean_tps:,.0f} tokens/s "
+             f"per device, {tr.progress.tokens_seen:,} tokens seen")
     if tr.bad_records.count:
         log.warning(f"{tr.bad_records.count} bad data record(s) skipped (training.max_bad_records = "
                     f"{tr.cfg.training.max_bad_records}); the first, {tr.bad_records.first}")
@@ -351,7 +352,7 @@ def main(argv: list[str]) -> int:
         return _fail(e, REQUEUE_EXIT if isinstance(e, Stopped) else 1)
     except Exception as e:  # a fault: its traceback follows; the launcher names the rank
         if why := timeout_message(e):
-            return _fail(CommTimeout(f"{f'step {tr.step + 1}' if tr else 'start-up'}: {why}"), 1)
+            return _fail(CommTimeout(f"{f'step {tr.progress.step + 1}' if tr else 'start-up'}: {why}"), 1)
         if isinstance(e, torch.OutOfMemoryError) and cfg.profiling.enable_memory_snapshot:
             dump_cuda_snapshot(cfg, world.rank, "oom")
         _fail(e, 1)

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import architecture, experts
-from tessera.checkpoint.manager import Checkpointer, Progress, Saved, find_resume, probe_writable, write_run_record
-from tessera.config import ConfigError, JobConfig
+from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
+from tessera.checkpoint.run_state import Progress, Saved
+from tessera.config import JobConfig
 from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.masks import IGNORE
 from tessera.data.records import BadRecords
@@ -70,25 +71,11 @@ class Trainer:
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
 
-    # The counters, by their names in the loop.
-    step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
-    tokens_seen = property(lambda self: self.progress.tokens_seen,
-                           lambda self, v: setattr(self.progress, "tokens_seen", v))
-    skipped_steps = property(lambda self: self.progress.skipped_steps,
-                             lambda self, v: setattr(self.progress, "skipped_steps", v))
-    # What the step runs, by the names the loop and the run's tools read.
-    model = property(lambda self: self.step_parts.model)
-    pipeline = property(lambda self: self.step_parts.pipeline)
-    grad_accum = property(lambda self: self.step_parts.grad_accum)
-    autocast = property(lambda self: self.step_parts.autocast)
-    loss_scale = property(lambda self: self.step_parts.loss_scale)
-    side_losses = property(lambda self: self.step_parts.side_losses)
-
 
 def run_view(tr: Trainer) -> RunView:
     """What a family's evaluation gets of the run."""
-    return RunView(cfg=tr.cfg, world=tr.world, model=tr.model, loader=tr.loader, autocast=tr.autocast, step=tr.step,
-                   image=tr.metrics.image)
+    return RunView(cfg=tr.cfg, world=tr.world, model=tr.step_parts.model, loader=tr.loader,
+                   autocast=tr.step_parts.autocast, step=tr.progress.step, image=tr.metrics.image)
 
 
 def token_batch(run: BatchView, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -167,7 +154,6 @@ def build_step(cfg: JobConfig, world: World, spec, model: nn.Module, *, pipeline
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     return StepParts(model=model, pipeline=pipeline, loss_fn=loss, loss_scale=scale,
                      labels_in_forward=labels_in_forward(cfg, spec), loss_parallel=uses_loss_parallel(cfg, world),
-                     extra_loss=spec.extra_loss,
                      side_losses=tuple(build_side_losses(cfg, world, model, grad_accum, pipeline)),
                      autocast=torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed
                      else contextlib.nullcontext(), grad_accum=grad_accum, device=world.device)
@@ -179,9 +165,6 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
     `scale` is what the pipeline schedule's last stage applies."""
     with torch.device("meta"):
         model = spec.model(args)
-    if spec.extra_loss is not None and world.dims.pp > 1:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree: {cfg.model.name}'s auxiliary loss is not carried "
-                          f"through pipeline stages yet; use FSDP/TP/CP")
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)

@@ -80,16 +80,16 @@ def step_and_record(tr, steps: int) -> dict:
     losses, norms, grads, side = [], [], None, []
     for step in range(steps):
         loss, norm = train_step(tr)[:2]
-        tr.step += 1
+        tr.progress.step += 1
         losses.append(dp_mean(loss, tr.world))
         norms.append(norm.item())
         side.append(side_loss_metrics(tr))
         if step == 0:
-            grads = full_params(tr.model, "grad")
+            grads = full_params(tr.step_parts.model, "grad")
     validation = validate_loss(tr) if tr.val_loader is not None else None
     tr.metrics.close()
-    return {"losses": losses, "grad_norms": norms, "side_losses": side, "grads": grads, "params": full_params(tr.model),
-            "validation": validation}
+    return {"losses": losses, "grad_norms": norms, "side_losses": side, "grads": grads,
+            "params": full_params(tr.step_parts.model), "validation": validation}
 
 
 def run_grads(argv: list[str], steps: int) -> dict:
@@ -110,16 +110,17 @@ def run_train(argv: list[str], steps: int) -> dict:
                 gathered = [None] * tr.world.dims.dp
                 dist.all_gather_object(gathered, ids, group=tr.world.flat["dp"].get_group())
                 ids = [i for part in gathered for i in part]
-            samples.setdefault(tr.step + 1, []).extend(ids)
+            samples.setdefault(tr.progress.step + 1, []).extend(ids)
             return inputs, labels
 
         tr.loader.next_batch = recording_next_batch
-        start = tr.step
+        start = tr.progress.step
         train(tr)
         tr.metrics.close()
         return {"start": start, "losses": {h["step"]: h["loss"] for h in tr.history}, "samples": samples,
-                "lrs": {h["step"]: h["lr"] for h in tr.history}, "tokens_seen": tr.tokens_seen,
-                "params": full_params(tr.model), "biases": expert_biases(tr.model), "history": tr.history}
+                "lrs": {h["step"]: h["lr"] for h in tr.history}, "tokens_seen": tr.progress.tokens_seen,
+                "params": full_params(tr.step_parts.model), "biases": expert_biases(tr.step_parts.model),
+                "history": tr.history}
 
 
 def serve(queue: Path) -> None:

@@ -23,9 +23,9 @@ def faulty(step_fn, stall: str = "", nan_steps: frozenset = frozenset(), step_se
         time.sleep(step_seconds)
         if stall:
             rank, step, seconds = (float(x) for x in stall.split(":"))
-            if tr.world.rank == int(rank) and tr.step + 1 == int(step):
+            if tr.world.rank == int(rank) and tr.progress.step + 1 == int(step):
                 time.sleep(seconds)
-        if tr.step + 1 not in nan_steps:
+        if tr.progress.step + 1 not in nan_steps:
             return step_fn(tr)
         clip = train.clip_grad_norm_
 

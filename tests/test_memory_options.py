@@ -75,7 +75,7 @@ def test_bf16_moments_halve_the_state_and_stay_near_fp32_states(tmp_path):
         runs[dtype] = step_and_record(tr, 20)
         moments = [v for s in tr.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")]
         assert {m.dtype for m in moments} == {getattr(torch, dtype)}
-        assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
+        assert {p.dtype for p in tr.step_parts.model.parameters()} == {torch.float32}
         state_bytes[dtype] = sum(m.nbytes for m in moments)
     assert state_bytes["bfloat16"] * 2 == state_bytes["float32"]
     gaps = [abs(a - b) for a, b in zip(runs["bfloat16"]["losses"], runs["float32"]["losses"], strict=True)]

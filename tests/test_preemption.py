@@ -134,7 +134,7 @@ def test_sigusr1_when_asked_in_one_process(tmp_path, capsys, monkeypatch):
     step_fn = train.train_step
 
     def signalled(tr):
-        if tr.step + 1 == 3:
+        if tr.progress.step + 1 == 3:
             os.kill(os.getpid(), signal.SIGUSR1)
         return step_fn(tr)
     monkeypatch.setattr(train, "train_step", signalled)

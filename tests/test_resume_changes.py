@@ -55,10 +55,10 @@ def test_optimizer_settings_changed_on_resume_are_applied(tmp_path, warnings_log
             group.update(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3, decoupled_weight_decay=False)
         tr.scheduler.base_lrs = [1e-3] * len(tr.optimizer.param_groups)
         for group in tr.optimizer.param_groups:
-            group["lr"] = 1e-3 * lr_lambda(tr.step, cfg, 6)
+            group["lr"] = 1e-3 * lr_lambda(tr.progress.step, cfg, 6)
         train(tr)
         tr.metrics.close()
-        for name, value in full_params(tr.model).items():
+        for name, value in full_params(tr.step_parts.model).items():
             torch.testing.assert_close(new["params"][name], value, rtol=0, atol=0)
 
 

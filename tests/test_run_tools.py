@@ -35,11 +35,11 @@ def test_nonfinite_skip_applies_no_update_and_counts_and_stop_names_the_step(tmp
     seen, original = {}, train.train_step
 
     def recording(tr):  # the weights and Adam's step counts around step 3, whose gradients are NaN
-        if tr.step + 1 == 3:
-            seen["before"] = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        if tr.progress.step + 1 == 3:
+            seen["before"] = {n: p.detach().clone() for n, p in tr.step_parts.model.named_parameters()}
         out = poisoned(tr)
-        if tr.step + 1 == 3:
-            seen["after"] = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        if tr.progress.step + 1 == 3:
+            seen["after"] = {n: p.detach().clone() for n, p in tr.step_parts.model.named_parameters()}
             seen["adam_steps"] = {float(s["step"]) for s in tr.optimizer.state.values()}
         return out
     poisoned = faulty(original, nan_steps=frozenset({3}))

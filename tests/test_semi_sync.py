@@ -47,14 +47,14 @@ def reference(argv: list[str], groups: int, ranks: int, method: str, sync_steps:
     with tempfile.TemporaryDirectory() as dump:
         tr = _trainer(argv, steps, dump)  # in-process, one rank: the seed's initial weights, the tokenizer
     cfg, o = tr.cfg, tr.cfg.optimizer
-    models = [copy.deepcopy(tr.model) for _ in range(1 if method == "sync" else groups)]
+    models = [copy.deepcopy(tr.step_parts.model) for _ in range(1 if method == "sync" else groups)]
     loaders = [[build_dataloader(cfg, tr.tokenizer, g * ranks + r, groups * ranks) for r in range(ranks)]
                for g in range(groups)]
     inner = [torch.optim.SGD(m.parameters(), lr=o.lr, weight_decay=o.weight_decay) if o.name == "SGD" else
              torch.optim.AdamW(m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                weight_decay=o.weight_decay) for m in models]
     schedules = [build_lr_scheduler(opt, cfg.lr_scheduler, steps) for opt in inner]
-    synced = copy.deepcopy(tr.model)  # the weights at the last sync, stepped by the outer optimizer
+    synced = copy.deepcopy(tr.step_parts.model)  # the weights at the last sync, stepped by the outer optimizer
     outer_sgd = torch.optim.SGD(synced.parameters(), lr=outer[0], momentum=outer[1], nesterov=True)
     losses: list[list[float]] = [[] for _ in range(groups)]
     parts = [[name for name, _ in part] for part in fragments(synced, streaming[0], None)]

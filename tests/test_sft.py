@@ -269,7 +269,7 @@ def test_validation_reports_the_masked_loss_of_a_held_out_chat_file(tmp_path):
             x, y = loader.next_batch()
             if step == 0:
                 assert x[0, :len(want)].tolist() == plain(want)[:32]
-            logits = tr.model(x)
+            logits = tr.step_parts.model(x)
             summed, n = summed + loss_fn(logits, y), n + int(trained_tokens(y))
             every += loss_fn(logits, x.roll(-1, 1))  # every token, for contrast
     assert abs(got - summed.item() / n) < 1e-5

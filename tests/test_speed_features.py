@@ -72,7 +72,7 @@ WRAPPED = {"full": ["0", "1"], "selective_op": ["0", "1"], "selective_every_2": 
 @pytest.mark.parametrize("mode", AC_MODES)
 def test_ac_equals_no_ac(mode, reference):
     tr, got = _run([*BATCH, *AC_MODES[mode]])
-    wrapped = [k for k, b in tr.model.layers.items() if type(b).__name__ == "CheckpointWrapper"]
+    wrapped = [k for k, b in tr.step_parts.model.layers.items() if type(b).__name__ == "CheckpointWrapper"]
     assert wrapped == WRAPPED[mode]
     got = bare(got)
     assert_matches(got, reference, 1e-6)  # same initial weights (materialize reads bare names), same math
@@ -151,15 +151,16 @@ def test_compile_matches_eager(caplog):
             tr.metrics.close()
         runs[name] = tr
     eager, compiled = runs["eager"], runs["compiled"]
-    assert all(b._compiled_call_impl is not None for b in compiled.model.layers.values())
-    assert compiled.model.chunk_loss is not summed_cross_entropy and eager.model.chunk_loss is summed_cross_entropy
-    assert compiled.model.loss_chunks == 8 and not counters["graph_break"], dict(counters["graph_break"])
+    eager_model, compiled_model = eager.step_parts.model, compiled.step_parts.model
+    assert all(b._compiled_call_impl is not None for b in compiled_model.layers.values())
+    assert compiled_model.chunk_loss is not summed_cross_entropy and eager_model.chunk_loss is summed_cross_entropy
+    assert compiled_model.loss_chunks == 8 and not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # a block's, a chunk's loss
-    assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
+    assert [n for n, _ in compiled_model.named_parameters()] == [n for n, _ in eager_model.named_parameters()]
     for a, b in zip(compiled.history, eager.history, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
-    want = full_params(eager.model)
-    for name, value in full_params(compiled.model).items():
+    want = full_params(eager_model)
+    for name, value in full_params(compiled_model).items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5)
     timing = [r.message for r in caplog.records if r.message.startswith("compile: first step took")]
     assert len(timing) == 1, timing
@@ -234,9 +235,9 @@ def test_float8_emulated_trains_close_to_high_precision(recipe, reference):
 
     tr, run = _run([*BATCH, *F8, "--quantize.linear.float8.recipe_name", recipe])
     losses = run["losses"]
-    kinds = collections.Counter(type(m).__name__ for m in tr.model.modules())
-    assert kinds["Float8Linear"] == 2 * LINEARS_PER_BLOCK and type(tr.model.output) is nn.Linear
-    assert all(m.config.emulate for m in tr.model.modules() if isinstance(m, Float8Linear))
+    kinds = collections.Counter(type(m).__name__ for m in tr.step_parts.model.modules())
+    assert kinds["Float8Linear"] == 2 * LINEARS_PER_BLOCK and type(tr.step_parts.model.output) is nn.Linear
+    assert all(m.config.emulate for m in tr.step_parts.model.modules() if isinstance(m, Float8Linear))
     assert losses != reference["losses"]  # it really ran in float8
     for got, want in zip(losses, reference["losses"], strict=True):
         assert abs(got - want) <= LOW_PRECISION_TOL, (losses, reference["losses"])
@@ -247,7 +248,8 @@ def test_mx_emulated_trains_close_to_high_precision(reference):
 
     tr, run = _run([*BATCH, *MX])
     losses = run["losses"]
-    converted = [n for n, p in tr.model.named_parameters() if isinstance(p.data, MXFP8TrainingWeightWrapperTensor)]
+    converted = [n for n, p in tr.step_parts.model.named_parameters()
+                 if isinstance(p.data, MXFP8TrainingWeightWrapperTensor)]
     assert len(converted) == 2 * LINEARS_PER_BLOCK and "output.weight" not in converted  # still after 3 steps
     assert losses != reference["losses"]
     for got, want in zip(losses, reference["losses"], strict=True):
@@ -491,19 +493,19 @@ def fsdp_record(argv: list[str], steps: int) -> dict:
         tr, run = _run(argv, steps)
     finally:  # the ranks run other tests' cases next
         fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre_all_gather
-    groups = {n: m._get_fsdp_state()._fsdp_param_group for n, m in tr.model.named_modules()
+    groups = {n: m._get_fsdp_state()._fsdp_param_group for n, m in tr.step_parts.model.named_modules()
               if isinstance(m, FSDPModule)}
     group = tr.optimizer.param_groups[0]
     return {
         **run,
         "offloaded": {n: all(p.offload_to_cpu for p in g.fsdp_params) for n, g in groups.items()},
         "reshard": {n: g.post_forward_mesh_info is not None for n, g in groups.items()},
-        "param_devices": {p.device.type for p in tr.model.parameters()},
+        "param_devices": {p.device.type for p in tr.step_parts.model.parameters()},
         "optimizer": "fused" if group["fused"] else "foreach" if group["foreach"] else "for-loop",
-        "weight_types": collections.Counter(type(local_tensor(p)).__name__ for p in tr.model.parameters()),
+        "weight_types": collections.Counter(type(local_tensor(p)).__name__ for p in tr.step_parts.model.parameters()),
         "float8_all_gathers": sum(n for dtype, n in gathers.items() if "float8" in dtype),
         "precomputed_scales": sum(getattr(local_tensor(p), "_precomputed_scale", None) is not None
-                                  for p in tr.model.parameters()),
+                                  for p in tr.step_parts.model.parameters()),
     }
 
 

@@ -84,7 +84,6 @@ class ModelSpec:
     last_stage: tuple[str, ...]  # ... only the last
     blocks: tuple[str, ...] = ("layers",)  # the block stacks pipelining splits: ModuleDicts keyed by int, in forward
     # order (a model with two stacks, Flux's double and single blocks, names both)
-    extra_loss: Callable | None = None  # (model) -> scalar added to the training loss (auxiliary losses)
     loss: Callable | None = None  # (model output, labels) -> the micro-batch's mean; None: cross-entropy over the
     # vocabulary, summed over trained tokens and divided by those of the global batch
     batch: Callable | None = None  # (BatchView, loader) -> (inputs by keyword, labels) on device; None: token windows
