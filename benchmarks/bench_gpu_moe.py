@@ -15,7 +15,7 @@
 2. Training steps with FlexAttention: Tessera's trainer (compiled blocks, bf16, AdamW) on GPT-OSS 20b cut to its
    first blocks (sliding windows of 128 + sinks, alternating with full attention) and Llama 4 Scout cut to its
    first blocks (chunked attention, chunks of 8192: the sequence is 16384), each with FlexAttention (`attend`'s
-   CUDA path) and with the materialized scores (`attention.attend` swapped for them in that run's process);
+   CUDA path) and with the materialized scores (`attention.use_attention` gives the run's model those);
    tokens/s, MFU (the family's FLOPs per token / the datasheet peak) and peak memory against `tessera.estimate`.
 3. Gated DeltaNet (gpu_deltanet.py), forward + backward of the chunked delta rule at Qwen 3.5 9B's shape, at each
    of --deltanet_seqs tokens: Tessera's torch path against fla's Triton kernel (fla-core, if installed): tokens/s,
@@ -90,7 +90,7 @@ def child_step(a) -> None:
     from tessera.metrics import peak_flops, peak_memory_gib
     from tessera.models import family as fam
     from tessera.models.common import attention
-    from tessera.preflight import parse_args  # the families' sections included ([qwen3_5] kernel)
+    from tessera.schema import parse_args  # the families' sections included ([qwen3_5] kernel)
     from tessera.train import train_step
 
     model, kernel = a.child[1], a.child[2]
@@ -114,11 +114,11 @@ def child_step(a) -> None:
         emit("estimate_gib", f"failed: {type(e).__name__}: {str(e)[:300]}")
     if cuda:  # the run's peak from here on
         torch.cuda.reset_peak_memory_stats()
-    if kernel == "materialized":  # the scores as a tensor: every layer's `attend` in this process
-        from check_flex_gpu import materialized
-        attention.attend = materialized
     device = torch.device("cuda" if cuda else "cpu")
     tr = make_trainer(argv)
+    if kernel == "materialized":  # the scores as a tensor: every layer's kernel, before its first (compiled) step
+        from check_flex_gpu import materialized
+        attention.use_attention(tr.step_parts.model, materialized)
     res = median_timing(lambda i: train_step(tr)[0], a.warmup, a.steps, torch.cuda.synchronize if cuda else
                         (lambda: None), batch * seq_len)
     fpt = fam(family).counts(dataclasses.replace(args, max_seq_len=seq_len), seq_len).flops_per_token

@@ -76,7 +76,8 @@ def worker(a) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from tessera.distributed import init_world, shutdown, world_size_from_env
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
     from tessera.train import train_step
     from tessera.trainer import build_trainer
 

@@ -30,7 +30,7 @@ from bench_data import SMOKE, loader_options, paragraphs, train_tokenizer  # noq
 from common import RESULTS, smoke_option, write_json  # noqa: E402
 from tessera.data import TokenLoader, build_tokenizer, documents, prepare  # noqa: E402
 from tessera.data.prepared import build_prepared_loader  # noqa: E402
-from tessera.preflight import parse_args  # noqa: E402
+from tessera.schema import parse_args  # noqa: E402
 
 
 class Counted:

@@ -35,7 +35,7 @@ from tessera.models.common import attention  # noqa: E402
 DISPATCH = attention.attend  # on CUDA: flex_attend
 
 
-def materialized(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None):
+def materialized(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None):
     n_q, n_k = q.shape[2], k.shape[2]
     mask = attention.allowed(n_q, n_k, window, chunk, q.device)
     if documents is not None:
@@ -97,9 +97,8 @@ def model_parity(dev):
     for compiled in (False, True):
         grads = {}
         for kernel in ("flex", "materialized"):
-            attention.attend = DISPATCH if kernel == "flex" else materialized
             with torch.device("meta"):
-                model = fam.spec().model(args)
+                model = attention.use_attention(fam.spec().model(args), DISPATCH if kernel == "flex" else materialized)
             materialize(model, torch.device(dev), seed=0)
             if compiled:
                 for name, block in model.layers.items():
@@ -107,7 +106,6 @@ def model_parity(dev):
             loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             grads[kernel] = {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
-        attention.attend = DISPATCH
         worst = max(grads["flex"], key=lambda n: rel_err(grads["flex"][n], grads["materialized"][n]))
         results["compiled" if compiled else "eager"] = {
             "loss_err": rel_err(grads["flex"]["loss"], grads["materialized"]["loss"]),

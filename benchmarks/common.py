@@ -29,7 +29,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from tessera.distributed import init_world  # noqa: E402
-from tessera.preflight import parse_args, validate  # noqa: E402
+from tessera.preflight import validate  # noqa: E402
+from tessera.schema import parse_args  # noqa: E402
 from tessera.trainer import Trainer, build_trainer  # noqa: E402
 
 COMPILE = ["--compile.enable"]

@@ -40,10 +40,11 @@ FLOORS = (
     ("models", "the family contract, the shared blocks, the registry, the families (a folder each, in their group's "
      "folder), MoE training",
      ("tessera.models.contract", "tessera.models.common", "tessera.models", GROUP, "tessera.experts")),
-    ("run parts", "what a run is built from and checked by: optimizers, checkpoints, the architecture resolved, "
-     "inference loading, fault tolerance, the checks before any rank starts",
-     ("tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim", "tessera.checkpoint",
-      "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.preflight")),
+    ("run parts", "the whole config (the families' sections mounted), and what a run is built from and checked by: "
+     "optimizers, checkpoints, the architecture resolved, inference loading, fault tolerance, the checks before any "
+     "rank starts",
+     ("tessera.schema", "tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim",
+      "tessera.checkpoint", "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.preflight")),
     ("trainer", "what a step runs, and the builders of a run", ("tessera.step", "tessera.trainer")),
     ("commands", "what a user runs (`python -m ...`); `tessera` itself exports `from_pretrained`",
      ("tessera.report", "tessera.train", "tessera.estimate", "tessera.plan", "tessera.generate", "tessera.convert",

@@ -17,7 +17,7 @@ import torch
 from tessera import architecture, models
 from tessera.config import ConfigError
 from tessera.data.encoded import write_split
-from tessera.preflight import parse_args
+from tessera.schema import parse_args
 
 
 def main(argv: list[str]) -> int:

@@ -1,11 +1,13 @@
 """The config command, `python -m tessera.config` (tessera/config/__main__.py runs it): a run's config checked before
 launch, its --help, and the config reference (docs/config-reference.md) with --markdown."""
 
+import contextlib
 import logging
 import sys
 
 from tessera.config import ConfigError
-from tessera.preflight import help_text, markdown_reference, parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import help_text, markdown_reference, parse_args
 
 
 def main(argv: list[str]) -> int:
@@ -19,9 +21,24 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         world_size, argv = int(argv[1]), argv[2:]
-    if argv[:1] == ["--errors-only"]:
-        logging.getLogger("tessera").setLevel(logging.ERROR)
-        argv = argv[1:]
+    errors_only = argv[:1] == ["--errors-only"]
+    with _logging_at(logging.ERROR) if errors_only else contextlib.nullcontext():
+        return _check(argv[errors_only:], world_size)
+
+
+@contextlib.contextmanager
+def _logging_at(level: int):
+    """The tessera logger at `level` for the command, as it was after (a caller in the same process keeps its own)."""
+    logger = logging.getLogger("tessera")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _check(argv: list[str], world_size: int) -> int:
     if argv == ["--markdown"]:
         print(markdown_reference())
         return 0

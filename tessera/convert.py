@@ -37,7 +37,7 @@ from tessera.checkpoint.manager import write_marker, write_run_record
 from tessera.checkpoint.writer import HashingWriter
 from tessera.config import ConfigError
 from tessera.dtypes import DTYPES
-from tessera.preflight import parse_args
+from tessera.schema import parse_args
 
 
 def _config(src: Path | None, opts: argparse.Namespace):

@@ -16,6 +16,13 @@ T = TypeVar("T")
 
 
 @dataclass
+class CollectiveTimeout:
+    """The collective timeout in force, and the option that set it (for the message when it ends a run)."""
+    seconds: int = 600
+    key: str = "comm.init_timeout_seconds"
+
+
+@dataclass
 class World:
     rank: int
     local_rank: int
@@ -27,6 +34,7 @@ class World:
     # of a stage that routes its own tokens: dp x cp x tp), "ep" (shard_in_ep x cp x tp), and for the FSDP
     # of router and experts "moe_shard" (shard x cp x tp) and "expert_shard" (shard_mod_ep, not flattened).
     flat: dict[str, DeviceMesh] = field(default_factory=dict)
+    timeout: CollectiveTimeout = field(default_factory=CollectiveTimeout)  # its process groups'
 
     @property
     def dp_rank(self) -> int:
@@ -69,12 +77,13 @@ def init_world(dims: ParallelDims, timeout_s: int = 600) -> World:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if dims.world_size == 1:
-        return World(0, 0, 1, device, dims, None)
+        return World(0, 0, 1, device, dims, None, timeout=CollectiveTimeout(timeout_s))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        _timeout.update(seconds=timeout_s)
-    return mesh_world(dims, rank, local_rank, device)
+    world = mesh_world(dims, rank, local_rank, device)
+    world.timeout.seconds = timeout_s
+    return world
 
 
 def mesh_world(dims: ParallelDims, rank: int, local_rank: int, device: torch.device) -> World:
@@ -94,23 +103,20 @@ def mesh_world(dims: ParallelDims, rank: int, local_rank: int, device: torch.dev
     return World(rank, local_rank, dims.world_size, device, dims, mesh, flat)
 
 
-_timeout = {"seconds": 600, "key": "comm.init_timeout_seconds"}  # the one in force, for the message when it ends a run
-
-
-def set_timeout(seconds: int, key: str) -> None:
+def set_timeout(world: World, seconds: int, key: str) -> None:
     """Every process group's collective timeout, the mesh's groups included (`key`: the option that set it)."""
-    _timeout.update(seconds=seconds, key=key)
+    world.timeout.seconds, world.timeout.key = seconds, key
     if dist.is_initialized():
         for group in list(dist.distributed_c10d._world.pg_map):
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
-def timeout_message(error: BaseException) -> str | None:
-    """For a collective that waited past its timeout (gloo raises a RuntimeError saying so), why and what to do."""
+def timeout_message(error: BaseException, timeout: CollectiveTimeout) -> str | None:
+    """For a collective that waited past `timeout` (gloo raises a RuntimeError saying so), why and what to do."""
     if not (isinstance(error, RuntimeError) and "timed out" in str(error).lower()):
         return None
-    return (f"a collective waited longer than {_timeout['key']} = {_timeout['seconds']} s: another rank is stuck "
-            f"or gone (its log says which), or the wait is legitimately longer (raise {_timeout['key']})")
+    return (f"a collective waited longer than {timeout.key} = {timeout.seconds} s: another rank is stuck or gone "
+            f"(its log says which), or the wait is legitimately longer (raise {timeout.key})")
 
 
 def _joined(replicate: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:

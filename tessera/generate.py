@@ -32,8 +32,8 @@ from tessera.checkpoint.folder import read_model_record, read_saved_config
 from tessera.checkpoint.hf import HFError
 from tessera.config import ConfigError
 from tessera.images import grid, save_png
-from tessera.preflight import help_text, parse_args
 from tessera.pretrained import DEFAULT_MAX_SEQ_LEN, checkpoint_folder, from_pretrained, hf_family, is_hf, pick_device
+from tessera.schema import help_text, parse_args
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "from_pretrained", "generate", "hf_family", "is_hf", "main"]
 

@@ -32,7 +32,9 @@ def hold_like_with_like(sides: list[tuple[str, list[str], int]]) -> list[list[st
     same samples on both. A side whose global batch follows its layout (global_batch_size = -1: local batch x
     data-parallel degree) takes the smallest that both layouts can accumulate to, named in one line; two that
     were given different ones are refused in one line. Different data settings are named in a line too."""
-    from tessera.preflight import data_differences, parse_args, validate
+    from tessera.preflight import validate
+    from tessera.preflight.resume import data_differences
+    from tessera.schema import parse_args
 
     found = []
     for name, argv, nproc in sides:

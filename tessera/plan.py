@@ -28,8 +28,9 @@ from tessera.estimate.core import estimate, layout_name
 from tessera.estimate.cost import Cluster, cp_method, replica_sync, step_time
 from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
 from tessera.run_plan import accumulation_steps
+from tessera.schema import parse_args
 
 FLAGS = {
     "gpus": Flag(int, 0, "GPUs of the cluster (nodes x gpus_per_node); required"),

@@ -42,7 +42,9 @@ class StepParts:
     loss_parallel: bool  # the logits are vocab-sharded (TP): the loss is computed on the shards
     side_losses: tuple[SideLoss, ...]  # losses the model computes itself (multi-token prediction), for metrics
     autocast: contextlib.AbstractContextManager  # bf16 compute without FSDP (which casts parameters itself)
-    grad_accum: int  # micro-batches per optimizer step
+    grad_accum: int  # forward-backwards of a local batch per optimizer step (gradient accumulation)
+    micro_batches: int  # forward passes per optimizer step (under PP each local batch is cut into micro-batches):
+    # each one's share of the step's mean loss is 1 / this (tessera.run_plan.Batch)
     device: torch.device
 
 

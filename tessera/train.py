@@ -18,13 +18,14 @@ from tessera.experts import reset_statistics
 from tessera.memory import live_memory, live_memory_metrics
 from tessera.metrics import peak_memory_gib, setup_logging
 from tessera.optim import clip_grad_norm_
-from tessera.preflight import help_text, parse_args, validate
+from tessera.preflight import validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
+from tessera.schema import help_text, parse_args
 from tessera.step import forward_backward
 from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
 from tessera.tensors import local
-from tessera.trainer import Trainer, build_trainer, micro_batches, run_view
+from tessera.trainer import Trainer, build_trainer, run_view
 
 log = logging.getLogger("tessera")
 
@@ -68,7 +69,7 @@ def set_loss_scale(tr: Trainer, labels: list[torch.Tensor] | None) -> torch.Tens
     """Before a step: the token loss's scale from the trained tokens of the whole global batch (`labels`: this
     rank's micro-batches'), which it returns; a family's own mean loss: 1 / its micro-batches."""
     if labels is None:
-        tr.step_parts.loss_scale.value = 1.0 / micro_batches(tr.cfg, tr.world, tr.step_parts.grad_accum)
+        tr.step_parts.loss_scale.value = 1.0 / tr.step_parts.micro_batches
         return None
     trained = dp_cp_sum(torch.stack([trained_tokens(y) for y in labels]).sum().float(), tr.world)
     tr.step_parts.loss_scale.value = tr.world.dims.dp * tr.world.dims.cp / trained.clamp(min=1)
@@ -150,7 +151,8 @@ def validate_loss(tr: Trainer) -> float:
     tr.val_loader.rewind()
     total, trained = torch.zeros((), device=tr.world.device), torch.zeros((), device=tr.world.device)
     # The token loss: summed, then divided by the trained tokens of all batches; a family's: a mean per batch.
-    tr.step_parts.loss_scale.value = 1.0 if tr.token_loss else 1.0 / micro_batches(tr.cfg, tr.world, 1)
+    passes = tr.step_parts.micro_batches // tr.step_parts.grad_accum  # of one local batch: a validation step's
+    tr.step_parts.loss_scale.value = 1.0 if tr.token_loss else 1.0 / passes
     for _ in range(tr.cfg.validation.steps):
         inputs, labels = tr.batch_fn(tr.val_loader)
         total += forward_backward(tr.step_parts, inputs, labels, train=False)
@@ -179,7 +181,7 @@ def train(tr: Trainer) -> None:
                 continue
             loss, grad_norm, data_s, trained = stepped
             if tr.progress.step == first_step:  # start-up and first compiles are over: a long wait now means trouble
-                set_timeout(tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
+                set_timeout(tr.world, tr.cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds")
                 if tr.cfg.compile.enable:
                     log.info(f"compile: first step took {time.perf_counter() - window_start:.1f}s, compilation "
                              f"included")
@@ -351,7 +353,7 @@ def main(argv: list[str]) -> int:
         clean = True
         return _fail(e, REQUEUE_EXIT if isinstance(e, Stopped) else 1)
     except Exception as e:  # a fault: its traceback follows; the launcher names the rank
-        if why := timeout_message(e):
+        if why := timeout_message(e, world.timeout):
             return _fail(CommTimeout(f"{f'step {tr.progress.step + 1}' if tr else 'start-up'}: {why}"), 1)
         if isinstance(e, torch.OutOfMemoryError) and cfg.profiling.enable_memory_snapshot:
             dump_cuda_snapshot(cfg, world.rank, "oom")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import architecture, experts
+from tessera import experts
 from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
 from tessera.checkpoint.run_state import Progress, Saved
 from tessera.config import JobConfig
@@ -36,8 +36,7 @@ from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
 from tessera.param_groups import param_role
-from tessera.preflight import check_vocab
-from tessera.run_plan import ResolvedRun, forward_passes
+from tessera.run_plan import Batch, ResolvedRun
 from tessera.step import LossScale, Pipeline, StepParts
 
 log = logging.getLogger("tessera")
@@ -65,7 +64,7 @@ class Trainer:
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
     progress: Progress  # step, tokens_seen, skipped_steps: what the checkpointer saves and restores of the loop
-    evaluate: Callable | None = None  # the family's own evaluation (ModelSpec.evaluate), after each step
+    evaluate: Callable | None = None  # the family's own evaluation (OwnTraining.evaluate), after each step
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
@@ -126,13 +125,14 @@ def labels_in_forward(cfg: JobConfig, spec) -> bool:
     loss reads the labels' masks (Decoder.side_loss_labels)."""
     takes_labels = "labels" in inspect.signature(spec.model.forward).parameters
     chunked = cfg.training.loss_chunks > 1 or spec.model.side_loss_labels
-    return spec.loss is None and issubclass(spec.model, Decoder) and takes_labels and chunked
+    return spec.training is None and issubclass(spec.model, Decoder) and takes_labels and chunked
 
 
 def step_loss(cfg: JobConfig, world: World, spec) -> Callable:
     """(model output, labels) -> the micro-batch's loss: the family's (or the token cross-entropy), or the model's
     own output when it computes its loss itself."""
-    return model_loss if labels_in_forward(cfg, spec) else training_loss(cfg, world, spec.loss or loss_fn)
+    own = spec.training.loss if spec.training is not None else loss_fn
+    return model_loss if labels_in_forward(cfg, spec) else training_loss(cfg, world, own)
 
 
 def set_token_loss(cfg: JobConfig, world: World, *parts: nn.Module) -> None:
@@ -144,19 +144,20 @@ def set_token_loss(cfg: JobConfig, world: World, *parts: nn.Module) -> None:
 
 
 def build_step(cfg: JobConfig, world: World, spec, model: nn.Module, *, pipeline: Pipeline | None, loss: Callable,
-               scale: LossScale, grad_accum: int) -> StepParts:
+               scale: LossScale, batch: Batch) -> StepParts:
     """What a step runs (the trainer's, and tessera.estimate's trace of it), the built model configured for it:
     its decoders' loss chunks, its MoE layers' settings and loss share, its side losses' weights. `loss` times
     `scale`: what the pipeline schedule's last stage applies too."""
     set_token_loss(cfg, world, *(pipeline.parts if pipeline is not None else [model]))
-    experts.configure(experts.moe_layers(model), cfg.moe, micro_batches(cfg, world, grad_accum))
+    experts.configure(experts.moe_layers(model), cfg.moe, batch.micro_batches)
     # Without FSDP (which casts parameters itself) bf16 compute comes from autocast.
     mixed = world.dp_mesh() is None and mixed_precision(cfg.training, world.device)[0] == torch.bfloat16
     return StepParts(model=model, pipeline=pipeline, loss_fn=loss, loss_scale=scale,
                      labels_in_forward=labels_in_forward(cfg, spec), loss_parallel=uses_loss_parallel(cfg, world),
-                     side_losses=tuple(build_side_losses(cfg, world, model, grad_accum, pipeline)),
+                     side_losses=tuple(build_side_losses(cfg, model, batch.micro_batches, pipeline)),
                      autocast=torch.autocast(world.device.type, dtype=torch.bfloat16) if mixed
-                     else contextlib.nullcontext(), grad_accum=grad_accum, device=world.device)
+                     else contextlib.nullcontext(), grad_accum=batch.accumulation, micro_batches=batch.micro_batches,
+                     device=world.device)
 
 
 def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
@@ -181,35 +182,28 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
     return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group(), parts)
 
 
-def micro_batches(cfg: JobConfig, world: World, grad_accum: int) -> int:
-    """Forward passes per optimizer step: each one's share of the step's mean loss is 1 / this, so that
-    gradients sum to the mean's gradient."""
-    return forward_passes(cfg, world.dims.pp, grad_accum)
-
-
 def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipeline: Pipeline | None,
-                   grad_accum: int) -> experts.Balancer | None:
+                   micro_batches: int) -> experts.Balancer | None:
     if getattr(args, "moe", None) is None:
         return None
-    layers, share = experts.moe_layers(model), micro_batches(cfg, world, grad_accum)  # configured by build_step
+    layers = experts.moe_layers(model)  # configured by build_step
     for part in pipeline.parts if pipeline is not None else ():
         experts.forget_shape_inference(part)
     return experts.Balancer(layers, cfg.moe.load_balance_rate,
                             world.flat["routing"].get_group() if world.mesh is not None else None,
-                            pipeline.group if pipeline is not None else None, share)
+                            pipeline.group if pipeline is not None else None, micro_batches)
 
 
-def build_side_losses(cfg: JobConfig, world: World, model: nn.Module, grad_accum: int,
+def build_side_losses(cfg: JobConfig, model: nn.Module, micro_batches: int,
                       pipeline: Pipeline | None = None) -> list[SideLoss]:
     """The weighted side losses, of every stage under pipelining (each stage's model reads its weight)."""
     parts = pipeline.parts if pipeline is not None else [model]
     losses = [m for part in parts for m in part.modules() if isinstance(m, SideLoss)]
     for part in parts if pipeline is not None else ():
         pp.forget_shape_inference(part, [m for m in part.modules() if isinstance(m, SideLoss)])
-    share = micro_batches(cfg, world, grad_accum)
     for m in losses:
         section, _, option = m.weight_option.rpartition(".")
-        m.weight, m.share = getattr(getattr(cfg, section), option), 1.0 / share
+        m.weight, m.share = getattr(getattr(cfg, section), option), 1.0 / micro_batches
     return [m for m in losses if m.weight]
 
 
@@ -267,11 +261,9 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     damaged: set[str] = set()
-    resume = find_resume(cfg, damaged)
-    args = architecture.resolve(cfg, tokenizer.vocab_size, resume[1] if resume else None)
-    spec = fam.spec()
-    if spec.data is None:  # a family with its own data has no vocabulary of the token loader's
-        check_vocab(cfg, args.vocab_size, tokenizer.vocab_size, world.dims.tp)
+    resume = find_resume(cfg, damaged)  # its content checked: a damaged one is skipped for an older one
+    args, spec = run.args, fam.spec()
+    own = spec.training  # a family's own data, batches, loss and evaluation; None: tokens
     grad_accum = run.batch.accumulation
     loss, scale = step_loss(cfg, world, spec), LossScale()
     model, pipeline = build_model(cfg, world, spec, args, loss, scale)
@@ -280,7 +272,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     if world.rank == 0 and (note := schedule_note(cfg.lr_scheduler, t.steps, cfg.optimizer.lr)):
         log.warning(note)  # a run shorter than its schedule (a smoke run) runs; this says how
     bad = BadRecords(t.max_bad_records)
-    data = spec.data or (lambda c, w, _, splits, bad: {split: build_dataloader(
+    data = getattr(own, "data", None) or (lambda c, w, _, splits, bad: {split: build_dataloader(
         c, tokenizer, *ft_check.data_share(c, w.dp_rank, w.dims.dp), split, bad,
         accumulation=grad_accum) for split in splits})
     loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
@@ -292,7 +284,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
              f"vocab {args.vocab_size}; {world.size} rank(s) on "
              f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
     log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
-    step = build_step(cfg, world, spec, model, pipeline=pipeline, loss=loss, scale=scale, grad_accum=grad_accum)
+    step = build_step(cfg, world, spec, model, pipeline=pipeline, loss=loss, scale=scale, batch=run.batch)
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
                   bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, outer=build_outer_state(cfg, model),
@@ -301,8 +293,9 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     checkpointer.load(resume)
     start_run_folder(cfg, args, checkpointer, counts.params)
     document_bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
-    fetch = functools.partial(spec.batch or token_batch, BatchView(world, document_bos, tokenizer.eos_id))
-    balancer = build_balancer(cfg, world, args, model, pipeline, grad_accum)
+    fetch = functools.partial(own.batch if own is not None else token_batch,
+                              BatchView(world, document_bos, tokenizer.eos_id))
+    balancer = build_balancer(cfg, world, args, model, pipeline, run.batch.micro_batches)
     replicas = None
     if cfg.fault_tolerance.enable:
         from tessera.ft.replicas import ReplicaGroup
@@ -310,9 +303,9 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     tr = Trainer(cfg=cfg, world=world, step_parts=step, model_args=args, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
                  metrics=build_metrics(cfg, world, dict(fam.metrics)), checkpointer=checkpointer, tokenizer=tokenizer,
-                 flops_per_token=counts.flops_per_token, peak_flops=peak, token_loss=spec.loss is None,
+                 flops_per_token=counts.flops_per_token, peak_flops=peak, token_loss=own is None,
                  batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
-                 progress=progress, evaluate=spec.evaluate,
+                 progress=progress, evaluate=own.evaluate if own is not None else None,
                  live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas)
     return tr

@@ -38,7 +38,8 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_r
 from tessera.distributed import init_world, shutdown, world_size_from_env
 from tessera.parallel.init import bare_name
 from tessera.parallel.tp import local
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tessera.train import dp_mean, side_loss_metrics, train, train_step, validate_loss
 from tessera.trainer import build_trainer
 from tests.launch import merge

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tessera.checkpoint.folder import DIGEST, digest_file
 from tessera.config import ConfigError
 from tessera.data import build_dataloader, build_tokenizer
-from tessera.preflight import parse_args
+from tessera.schema import parse_args
 from tests.dist_worker import BASE, run_train
 from tests.launch import ROOT, resume_copy, run_cases
 

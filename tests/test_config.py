@@ -13,8 +13,10 @@ import pytest
 
 from tessera.config import ConfigError, to_toml
 from tessera.config.manager import _flatten_toml, _leaves
-from tessera.preflight import JobConfig, help_text, parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import JobConfig, help_text, parse_args
 from tests.launch import ROOT, merge, torchrun
+from tests.test_data import make_hf_folder
 
 pytestmark = pytest.mark.fast
 CONFIGS = ROOT / "configs"
@@ -419,7 +421,7 @@ def test_8b_config_validates_at_world_size_8_with_tokenizer(tmp_path):
     if not os.path.isfile(os.path.join(cfg.model.hf_assets_path, "tokenizer.json")):
         with pytest.raises(ConfigError, match=r"^model\.hf_assets_path: no tokenizer\.json"):
             validate(cfg, 8)
-    (tmp_path / "tokenizer.json").write_text("{}")
+    make_hf_folder(tmp_path)  # validate reads it as the ranks will (its vocabulary within the model's)
     dims = validate(parse_args(["--job.config_file", path, "--model.hf_assets_path", str(tmp_path)]), 8).dims
     assert (dims.dp_shard, dims.tp, dims.pp, dims.world_size) == (8, 1, 1, 8)
 
@@ -448,7 +450,7 @@ BIG = {
 @pytest.mark.parametrize("name", BIG)
 def test_big_configs_at_their_world_size(tmp_path, name):
     world, needs = BIG[name]
-    (tmp_path / "tokenizer.json").write_text("{}")
+    make_hf_folder(tmp_path)
     cfg = parse_args(["--job.config_file", str(CONFIGS / name), "--model.hf_assets_path", str(tmp_path)])
     p = cfg.parallelism
     dims = validate(cfg, world).dims
@@ -491,3 +493,18 @@ def test_each_familys_options_are_its_own_section_in_help_and_in_the_saved_confi
     assert saved["flux"]["resolution"] == 16 and saved["deepseek_v3"] == {"mtp_loss_weight": 0.3}
     with pytest.raises(ConfigError, match=r"^model.name \(on the command line\): 'nope' is not one of llama3, "):
         parse_args(["--model.name", "nope"])
+
+
+@pytest.mark.fast
+def test_a_familys_config_type_names_the_section_the_schema_mounts():
+    """Family code hints `cfg` with a type that has its section (`cfg.deepseek_v3`, `cfg.flux`): the very class
+    the one schema mounts under that name, on the shared JobConfig."""
+    from tessera.config import JobConfig as Shared
+    from tessera.models.deepseek.v3.options import DeepSeekV3Config
+    from tessera.models.flux.options import FluxConfig
+    from tessera.schema import schema
+
+    fields = schema().__dataclass_fields__
+    for view, section in ((DeepSeekV3Config, "deepseek_v3"), (FluxConfig, "flux")):
+        assert view.__annotations__ == {section: fields[section].type}
+        assert view.__bases__ == (Shared,) and issubclass(schema(), Shared)

@@ -14,7 +14,7 @@ from tessera.data import TokenLoader, build_dataloader, build_tokenizer, documen
 from tessera.data.records import BadRecords, DataError
 from tessera.data.sources import _stdlib_files, check_files
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
-from tessera.preflight import JobConfig
+from tessera.schema import JobConfig
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 

@@ -119,7 +119,7 @@ def test_a_run_training_mtp_starts_the_missing_depth_fresh_and_a_partial_depth_i
     from tessera import architecture
     from tessera.checkpoint.hf import HFError
     from tessera.parallel.init import materialize
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
 
     theirs = _theirs(tmp_path / "in", num_mtp_layers=1, **_CONFIGS["plain_q_halves"])
     run = ["--model.name", "deepseek_v3", "--model.flavor=", "--checkpoint.initial_load_in_hf",
@@ -422,7 +422,8 @@ def test_the_debug_models_train_with_balancing_on(flavor):
 @pytest.mark.parametrize("layout", [("tensor",), ("context",), ("pipeline",), ("pipeline", "tensor")])
 def test_mtp_trains_under_tp_cp_and_pp_is_refused_under_pp_with_tp_and_kept_untrained_at_weight_0(layout):
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
 
     argv = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp",
             *(arg for name in layout for arg in (f"--parallelism.{name}_parallel_degree", "2"))]

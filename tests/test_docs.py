@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from tessera.config.manager import _leaves
-from tessera.preflight import JobConfig, markdown_reference, parse_args, validate
+from tessera.preflight import options as preflight_options, validate
+from tessera.schema import JobConfig, markdown_reference, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -101,7 +102,7 @@ def test_toml_snippets_parse_and_pass_the_config_check(path, info, body, line, t
     snippet.write_text(body)
     monkeypatch.chdir(tmp_path)  # relative dump folders land here, not in the checkout
     if "cuda" in words:  # float8 and MX need a GPU; the check asks the function the validator calls
-        monkeypatch.setitem(validate.__globals__, "_has_cuda", lambda: True)
+        monkeypatch.setattr(preflight_options, "has_cuda", lambda: True)
     cfg = parse_args(["--job.config_file", str(snippet)])
     if "parse-only" not in words:
         validate(cfg, int(words.get("world_size") or 1))

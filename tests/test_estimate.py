@@ -16,7 +16,8 @@ from tessera.estimate.__main__ import HEADROOM
 from tessera.estimate.core import estimate
 from tessera.estimate.cost import Cluster, routed_params, step_time
 from tessera.plan import floor
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.dist_worker import BASE
 from tests.launch import ROOT, merge, run_cases
 from tests.test_config import BIG

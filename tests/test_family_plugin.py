@@ -56,22 +56,23 @@ FAMILY = Family(name="toy", flavors={"tiny": FLAVORS["tiny"]}, takes_tokenizer_v
 @pytest.fixture
 def toy_registered(monkeypatch):
     """The registry with the toy family in it (its folder: a module whose FAMILY it is)."""
-    from tessera import models, preflight
+    from tessera import models
 
     folder = types.ModuleType("tessera.models.toy")
     folder.FAMILY = FAMILY
     monkeypatch.setitem(sys.modules, "tessera.models.toy", folder)
     monkeypatch.setattr(models, "FAMILIES", (*models.FAMILIES, "toy"))  # the schema mounts the registry's families
-    return preflight
 
 
 def test_a_family_brings_its_option_check_and_metric(toy_registered, tmp_path, capsys):
-    preflight = toy_registered
-    assert "--toy.logit_penalty" in preflight.help_text()
+    from tessera.config import ConfigError
+    from tessera.preflight import validate
+    from tessera.schema import help_text, parse_args
+
+    assert "--toy.logit_penalty" in help_text()
     refused = r"^toy.logit_penalty: 2.0 would drown the loss; keep it at most 1$"
-    with pytest.raises(preflight.ConfigError, match=refused):
-        preflight.validate(preflight.parse_args(["--model.name", "toy", "--model.flavor", "tiny",
-                                                 "--toy.logit_penalty", "2"]), 1)
+    with pytest.raises(ConfigError, match=refused):
+        validate(parse_args(["--model.name", "toy", "--model.flavor", "tiny", "--toy.logit_penalty", "2"]), 1)
 
     history = run_local(tmp_path / "run", "--model.name", "toy", "--training.steps", "3", "--toy.logit_penalty",
                         "0.01")

@@ -241,7 +241,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
         "tessera: fault_tolerance.min_replica_size: 3 is more than group_size 2")
     # A running group 0 (its lock held here, as its rank 0 holds it), with its files.
     running = check.place_group(parse_args(merge(TINY, dump, ft_flags(lighthouse, 0))))
-    check.check_live(running, 1, hold=True)
+    held = check.check_live(running, 1, hold=True)
     try:
         record = tmp_path / "replica_0" / "metrics.jsonl"
         record.write_text('{"step": 1}\n')
@@ -255,4 +255,4 @@ def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
             "tessera: fault_tolerance: replica group 0 (running) has training.local_batch_size = 8, this group 4")
         assert record.read_text() == '{"step": 1}\n' and not (tmp_path / "replica_1" / "metrics.jsonl").exists()
     finally:
-        check.release()
+        check.release(held)

@@ -137,7 +137,7 @@ MODEL = ["--model.name", "flux", "--model.flavor", "flux-debug", "--training.seq
 
 def _loader(split="train", dp_rank=0, dp=1, batch=8, *flags):
     from tessera.models.flux.data import FluxLoader
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
     from tests.launch import merge
 
     cfg = parse_args(merge(MODEL, ["--training.local_batch_size", str(batch)], flags))
@@ -184,7 +184,7 @@ def test_a_runs_loaders_share_its_encoders_and_the_next_run_builds_its_own():
     from types import SimpleNamespace
 
     from tessera.models.flux.data import build_loaders
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
 
     cfg = parse_args(MODEL)
     world = SimpleNamespace(rank=0, dp_rank=0, dims=SimpleNamespace(dp=1), device=torch.device("cpu"),
@@ -322,7 +322,8 @@ def test_released_encoders_and_vae_load_from_a_folder_and_train(tmp_path):
     from tessera.config import ConfigError
     from tessera.models.flux.data import FluxLoader
     from tessera.models.flux.encoders import patchify
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
     from tests.launch import merge, run_local
 
     _release(tmp_path / "flux")
@@ -435,7 +436,8 @@ def test_configs_check_and_refusals(tmp_path):
     1/8 VAE; with CP 2 too) given a release folder and data; what Flux does not do is refused in one line that
     names the key and the fix: TP and PP (with why), a seq_len that is not text + image tokens, missing data."""
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
 
     release = tmp_path / "release"
     for part in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):

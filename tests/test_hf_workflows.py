@@ -23,7 +23,7 @@ def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
 
     from tessera.checkpoint.manager import write_marker
     from tessera.config import to_toml
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
 
     state = {"model": ours.state_dict(), "optimizer": {"state": {"norm.weight": {"exp_avg": torch.ones(64)}}},
              "train": {"step": 3}}

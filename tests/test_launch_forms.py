@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tessera.optim import lr_lambda, schedule_note
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.launch import ROOT
 
 CONFIGS = ROOT / "configs"

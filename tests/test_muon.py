@@ -13,7 +13,8 @@ from tessera.config import ConfigError
 from tessera.muon import Muon, MuonSettings, orthogonalize
 from tessera.optim import build_optimizer
 from tessera.param_groups import param_role
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.dist_worker import run_train
 from tests.launch import resume_copy
 from tests.test_checkpoint import CKPT, _params_equal

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from tessera.config import ConfigError
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.launch import merge
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tessera.config import ConfigError
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.dist_worker import run_train
 from tests.launch import assert_matches, one_process, resume_copy, run_cases
 

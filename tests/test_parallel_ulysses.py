@@ -7,7 +7,8 @@ import re
 import pytest
 
 from tessera.config import ConfigError
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.launch import assert_matches, one_process, run_cases
 
 U = ["--parallelism.context_parallel_method", "ulysses"]

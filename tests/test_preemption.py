@@ -196,8 +196,10 @@ def test_a_full_disk_stops_the_run_in_one_line_keeping_the_previous_checkpoint(t
 
 @pytest.mark.fast
 def test_no_room_for_a_checkpoint_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
-    from tessera import config_cli, preflight
+    from tessera import config_cli
     from tessera.checkpoint import space
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
     from tessera.train import main
 
     monkeypatch.setattr(space.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**20))  # 1 MiB left
@@ -208,7 +210,7 @@ def test_no_room_for_a_checkpoint_is_refused_before_any_rank_starts(tmp_path, mo
     assert config_cli.main(argv) == 2 and capsys.readouterr().err == refusal  # the launch check (run_train.sh)
     assert main(argv) == 2 and capsys.readouterr().err == refusal  # a rank, before anything is built
     assert not dump.exists()
-    preflight.validate(preflight.parse_args(argv), 1)  # a plan or an estimate of the run saves nothing: no refusal
+    validate(parse_args(argv), 1)  # a plan or an estimate of the run saves nothing: no refusal
 
 
 @pytest.mark.fast

@@ -21,7 +21,8 @@ from tessera.data import build_dataloader, build_tokenizer, prepare, tokens
 from tessera.data.prepared import BLOCK, PreparedLoader, permute
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.data.tokens import TokenShards, read_manifest
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
+from tessera.schema import parse_args
 from tests.dist_worker import run_train
 from tests.launch import ROOT, merge, resume_copy, run_cases, run_local
 

@@ -323,7 +323,8 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
 ])
 def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
 
     with pytest.raises(ConfigError, match="^" + re.escape(line)):
         validate(parse_args(argv), world)

@@ -2,7 +2,6 @@
 in the sequence), the scan's bytes as the estimate counts them (tessera.estimate.scans) against the loop traced op by
 op, recurrent states included, and plan ranking the hybrid's layouts on a small cluster."""
 
-import contextlib
 import dataclasses
 import json
 
@@ -18,7 +17,7 @@ from tessera.models import family
 from tessera.models.common.deltanet import GatedDeltaNet
 from tessera.models.qwen3_5.args import FULL, LINEAR
 from tessera.plan import main as plan_main
-from tessera.preflight import parse_args
+from tessera.schema import parse_args
 
 
 @pytest.mark.fast
@@ -44,10 +43,12 @@ def _layer_bytes(at_once: bool, seq: int, chunk: int, documents: bool) -> tuple[
     with torch.device("meta"):
         layer = GatedDeltaNet(64, 2, 4, 32, 32, 4, 1e-6)
     layer.chunk_size = chunk
+    if at_once:
+        scans_at_once(layer)
     fake, meter = FakeTensorMode(allow_non_fake_inputs=True), LiveBytes()
     with fake:
         layer.to_empty(device="cpu")
-    with fake, meter, scans_at_once() if at_once else contextlib.nullcontext():
+    with fake, meter:
         meter.track(list(layer.parameters()))
         base = meter.current
         x = torch.randn(2, seq, 64, requires_grad=True)

@@ -96,7 +96,8 @@ def test_data_settings_changed_on_resume_are_refused_unless_the_data_position_is
     refused before any rank starts, naming both values and the way out, which starts the new data at its first
     sample (a longer context later in training)."""
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args, validate
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
 
     dump = tmp_path / "run"
     run_train(["--job.dump_folder", str(dump), *CKPT], 4)
@@ -129,11 +130,12 @@ def test_data_settings_changed_on_resume_are_refused_unless_the_data_position_is
 
 def test_a_streamed_dataset_read_from_another_path_resumes_with_a_warning(caplog):
     """The same documents may have moved (a copy on a faster disk): named in one line, not refused."""
-    from tessera.preflight import _check_resumed_data, parse_args
+    from tessera.preflight.resume import check_resumed_data
+    from tessera.schema import parse_args
 
     cfg = parse_args(["--training.dataset", "files", "--training.dataset_path", "/fast/docs"])
     saved = {"dataset": "files", "dataset_path": "/slow/docs", "seed": 0, "seq_len": 2048, "data_streams": 64}
-    _check_resumed_data(cfg, "ckpt/step-4", saved)
+    check_resumed_data(cfg, "ckpt/step-4", saved)
     assert [r.getMessage() for r in caplog.records] == [
         "training.dataset_path: '/fast/docs', but the checkpoint at ckpt/step-4 read '/slow/docs'; its data position "
         "is resumed as a position in the same documents (add dataloader to checkpoint.exclude_from_loading to start "
@@ -234,7 +236,7 @@ def test_bad_values_are_refused_before_any_rank_starts(argv, expect):
 
 def test_a_key_given_twice_is_refused():
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
 
     with pytest.raises(ConfigError, match="--training.steps is given twice on the command line; keep one"):
         parse_args(["--training.steps", "3", "--training.steps=4"])

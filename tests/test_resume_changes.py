@@ -77,7 +77,7 @@ def test_every_checkpoint_damaged_is_refused_and_never_overwritten(tmp_path, cap
     from tessera.checkpoint.folder import digest_file
     from tessera.checkpoint.manager import find_resume
     from tessera.config import ConfigError
-    from tessera.preflight import parse_args
+    from tessera.schema import parse_args
     from tessera.train import main
     from tests.dist_worker import BASE
 

@@ -8,11 +8,13 @@ import re
 import pytest
 
 from tessera import models
+from tessera.data.tokenizer import ByteTokenizer
 from tessera.ft.check import place_group
 from tessera.models.llama3 import FAMILY as LLAMA3
 from tessera.parallel.dims import ParallelDims
-from tessera.preflight import parse_args, validate
+from tessera.preflight import validate
 from tessera.run_plan import Batch, DataPlan
+from tessera.schema import parse_args
 from tests.launch import merge
 
 pytestmark = pytest.mark.fast
@@ -25,7 +27,8 @@ def test_fsdp_with_accumulation(tmp_path):
     cfg = parse_args(merge(TINY, ["--job.dump_folder", str(tmp_path), "--training.global_batch_size", "24"]))
     run = validate(cfg, 2)
     assert run.cfg is cfg and run.family is models.family("llama3") is LLAMA3
-    assert run.args == dataclasses.replace(LLAMA3.flavors["tiny"], max_seq_len=32)
+    # Final: the tiny flavor takes its tokenizer's vocabulary, the built-in byte tokenizer's here (what ranks build).
+    assert run.args == dataclasses.replace(LLAMA3.flavors["tiny"], max_seq_len=32, vocab_size=ByteTokenizer.vocab_size)
     assert run.dims == ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2)
     assert run.batch == Batch(local=4, data_parallel=2, accumulation=3, micro_batches=3, global_sequences=24,
                               global_tokens=24 * 32)

@@ -310,7 +310,8 @@ def test_a_resume_in_another_dataset_format_is_refused():
     import dataclasses
 
     from tessera.config import ConfigError
-    from tessera.preflight import _check_resumed_data, parse_args
+    from tessera.preflight.resume import check_resumed_data
+    from tessera.schema import parse_args
 
     cfg = parse_args(["--training.dataset", "files", "--training.dataset_path", "chat.jsonl",
                       "--training.dataset_format", "chat"])
@@ -318,4 +319,4 @@ def test_a_resume_in_another_dataset_format_is_refused():
     with pytest.raises(ConfigError, match="^training.dataset_format: 'chat', but the checkpoint at ckpt counted its "
                                           "data position in examples of 'text' data; set --training.dataset_format "
                                           "text to resume it"):
-        _check_resumed_data(cfg, "ckpt", saved)
+        check_resumed_data(cfg, "ckpt", saved)

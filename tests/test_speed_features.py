@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tessera import preflight as validate_module
 from tessera.config import ConfigError
 from tessera.memory import LiveBytes
 from tessera.models.common.decoder import Decoder as Transformer
 from tessera.models.llama3.args import FLAVORS, Llama3Args
 from tessera.parallel.ac import apply_ac, op_policy
 from tessera.parallel.init import bare_name, materialize
-from tessera.preflight import parse_args, validate
+from tessera.preflight import options as preflight_options, validate
+from tessera.schema import parse_args
 from tests.dist_worker import _trainer, full_params, step_and_record
 from tests.launch import assert_matches, on_ranks, one_process, resume_copy, run_cases
 
@@ -293,7 +293,7 @@ REFUSED = {
 @pytest.mark.parametrize("case", REFUSED)
 def test_refused_before_launch(case, monkeypatch):
     argv, world, message = REFUSED[case]
-    monkeypatch.setattr(validate_module, "_has_cuda", lambda: False)
+    monkeypatch.setattr(preflight_options, "has_cuda", lambda: False)
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(["--model.flavor", "tiny", *argv]), world)
 
@@ -301,7 +301,7 @@ def test_refused_before_launch(case, monkeypatch):
 def test_float8_without_emulate_exits_2_with_one_line(monkeypatch, capsys, tmp_path):
     from tessera.train import main
 
-    monkeypatch.setattr(validate_module, "_has_cuda", lambda: False)
+    monkeypatch.setattr(preflight_options, "has_cuda", lambda: False)
     assert main(["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path), *F8[:2]]) == 2
     assert capsys.readouterr().err.startswith("tessera: quantize.linear.float8: needs a CUDA GPU")
 

@@ -57,7 +57,7 @@ def test_a_familys_loss_and_batch_hooks_replace_the_defaults(monkeypatch):
     import torch
 
     from tessera.models import family
-    from tessera.models.contract import BatchView, Family
+    from tessera.models.contract import BatchView, Family, OwnTraining
     from tessera.trainer import loss_fn, token_batch
     from tests.dist_worker import _trainer, run_grads, step_and_record
 
@@ -67,8 +67,9 @@ def test_a_familys_loss_and_batch_hooks_replace_the_defaults(monkeypatch):
         calls.append((run, loader))
         return token_batch(run, loader)
 
-    spec = dataclasses.replace(family("llama3").spec(), batch=batch,  # a family's loss is its micro-batch's mean
-                               loss=lambda logits, labels: 2 * loss_fn(logits, labels) / labels.numel())
+    own = OwnTraining(batch=batch,  # the token loader (data=None); a family's loss is its micro-batch's mean
+                      loss=lambda logits, labels: 2 * loss_fn(logits, labels) / labels.numel())
+    spec = dataclasses.replace(family("llama3").spec(), training=own)
     argv = ["--training.local_batch_size", "4", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps",
             "0", "--training.max_norm", "0"]
     plain = run_grads(argv, 1)

@@ -10,7 +10,7 @@ import sys
 from tessera.config import ConfigError
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import Estimate, Sampling, estimate
-from tessera.preflight import parse_args
+from tessera.schema import parse_args
 
 FLAGS = {
     "world_size": Flag(int, 0, "ranks (GPUs) of the run; not given: the product of the config's degrees (needs "

@@ -10,19 +10,21 @@ kept to the end of the step."""
 
 import copy
 import dataclasses
+import functools
 import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
 
-from tessera import architecture, models
+from tessera import models
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, scans, trace
 from tessera.estimate.cost import Cluster, StepTime, replica_sync, step_time
 from tessera.parallel import pp, pp_layout
 from tessera.preflight import validate
+from tessera.run_plan import Batch
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,8 +84,8 @@ def layout_name(dims, cp_method: str = "allgather") -> str:
     return " x ".join(p for p in parts if p) or "1 rank"
 
 
-def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
-    """The config as it runs on `device` (cuda or cpu); whether its tokenizer is there; notes for the reader."""
+def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, list[str]]:
+    """The config as it runs on `device` (cuda or cpu), and notes for the reader."""
     cfg, notes = copy.deepcopy(cfg), []
     cfg.fault_tolerance.enable = False  # one replica group is estimated (its lighthouse is no concern here)
     t = cfg.training
@@ -98,14 +100,13 @@ def prepare(cfg: JobConfig, device: str) -> tuple[JobConfig, bool, list[str]]:
         cfg.compile.enable = False
         notes.append("compile: traced eagerly; compiled blocks fuse element-wise ops and keep less, so the "
                      "activations are an upper bound")
-    tokenizer = bool(cfg.model.hf_assets_path)
-    if tokenizer and not os.path.isfile(os.path.join(cfg.model.hf_assets_path, "tokenizer.json")):
+    if cfg.model.hf_assets_path and not os.path.isfile(os.path.join(cfg.model.hf_assets_path, "tokenizer.json")):
         notes.append(f"no tokenizer.json in {cfg.model.hf_assets_path}: the flavor's vocabulary is taken")
-        cfg.model.hf_assets_path, tokenizer = "", False
+        cfg.model.hf_assets_path = ""
     if t.enable_cpu_offload:
         notes.append("training.enable_cpu_offload: parameter shards, gradients and optimizer state are in host "
                      "memory, not in the peak")
-    return cfg, tokenizer, notes
+    return cfg, notes
 
 
 def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Cluster | None = None,
@@ -113,22 +114,18 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     """Raises ConfigError for a config that would not launch (as `python -m tessera.config` would). `sampling`:
     which blocks are traced (Sampling(exact=True): every block, not one or two of each kind)."""
     groups = cfg.fault_tolerance
-    cfg, has_tokenizer, notes = prepare(cfg, device)
+    cfg, notes = prepare(cfg, device)
     run = validate(cfg, world_size)
     dims, fam = run.dims, run.family
     spec = fam.spec()
-    if getattr(spec, "batch", None) is not None or getattr(spec, "data", None) is not None:
+    if spec.training is not None:
         raise ConfigError(f"model.name: {cfg.model.name} brings its own batches; tessera.estimate traces the token "
                           f"models ({', '.join(n for n in models.FAMILIES if n != cfg.model.name)})")
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-    takes_vocab = has_tokenizer or cfg.model.flavor in fam.takes_tokenizer_vocab or not cfg.model.flavor
-    args = architecture.resolve(cfg, tokenizer.vocab_size if takes_vocab else None,  # the resumed architecture
-                                run.resume.path if run.resume else None)
-    t, grad_accum = cfg.training, run.batch.accumulation
-    bos = tokenizer.bos_id if cfg.model.attn_mask_type == "block_causal" else None
-    with trace.gpu_kernels(device == "cuda"), scans.scans_at_once():
-        kinds = _whole(cfg, dims, args, spec, grad_accum, bos, sampling) if dims.pp == 1 else \
-            _pipelined(cfg, dims, args, spec, grad_accum, sampling)
+    args, t, grad_accum = run.args, cfg.training, run.batch.accumulation  # the architecture validate resolved
+    bos = build_tokenizer(cfg.model.hf_assets_path).bos_id if cfg.model.attn_mask_type == "block_causal" else None
+    build = functools.partial(_build, spec, args, device == "cuda")
+    kinds = _whole(cfg, dims, args, spec, run.batch, bos, sampling, build) if dims.pp == 1 else \
+        _pipelined(cfg, dims, args, spec, run.batch, sampling, build)
     if t.enable_cpu_offload:
         for k in kinds:
             k.peak -= k.params + k.optimizer
@@ -143,9 +140,12 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
                     params=counts.params, kinds=kinds, time=time, cluster=cluster, notes=notes)
 
 
-def _build(spec, args) -> torch.nn.Module:
+def _build(spec, args, gpu: bool) -> torch.nn.Module:
+    """The model on the meta device, with the kernels it is traced with: DeltaNet's scan allocating its bytes at
+    once (tessera.estimate.scans), and for a GPU attention holding what FlexAttention holds (trace.gpu_attention)."""
     with torch.device("meta"):
-        return spec.model(args)
+        model = scans.scans_at_once(spec.model(args))
+    return trace.gpu_attention(model) if gpu else model
 
 
 def _block_kind(block: torch.nn.Module) -> int:
@@ -207,8 +207,8 @@ def sampled(kinds: list[int], run, sampling: Sampling) -> trace.StageTrace:
 _LINEAR = ("params", "optimizer", "grads", "act", "end")
 
 
-def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, sampling: Sampling) -> list[RankKind]:
-    model = _build(spec, args)
+def _whole(cfg, dims, args, spec, batch: Batch, bos: int | None, sampling: Sampling, build) -> list[RankKind]:
+    model = build()
 
     def run(positions: list[int]) -> trace.StageTrace:
         with trace.fake_world(dims, 0) as world:
@@ -216,16 +216,16 @@ def _whole(cfg, dims, args, spec, grad_accum: int, bos: int | None, sampling: Sa
             part = spec.parallelize(part, world, cfg)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
             trace.materialize(part, world, fake)
-            return trace.trace_model(cfg, world, part, spec, args, grad_accum, bos, fake)
+            return trace.trace_model(cfg, world, part, spec, args, batch, bos, fake)
 
     tr = sampled(_kinds(model, spec.blocks), run, sampling)
     return [RankKind(label="every rank", count=dims.world_size, params=tr.params, grads=tr.grads,
                      optimizer=tr.optimizer, act=tr.act, in_flight=1, comm=tr.comm, peak=tr.optimizer + tr.peak)]
 
 
-def _pipelined(cfg, dims, args, spec, grad_accum: int, sampling: Sampling) -> list[RankKind]:
+def _pipelined(cfg, dims, args, spec, batch: Batch, sampling: Sampling, build) -> list[RankKind]:
     p = cfg.parallelism
-    model = _build(spec, args)
+    model = build()
     kinds = _kinds(model, spec.blocks)
     n_stages = pp_layout.num_stages(len(kinds), dims.pp, p.pipeline_parallel_schedule,
                                     p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
@@ -243,8 +243,8 @@ def _pipelined(cfg, dims, args, spec, grad_accum: int, sampling: Sampling) -> li
         ids = pp_layout.rank_stages(r, dims.pp, n_stages, p.pipeline_parallel_schedule)
         keys = [(i == 0, i == n_stages - 1, tuple(sorted(kinds[n] for n in layers[i]))) for i in ids]
         if orders is None or any(k not in traced for k in keys):
-            orders = _trace_rank(cfg, dims, args, spec, grad_accum, r * per_pp, keys, traced, n_micro, orders,
-                                 sampling)
+            orders = _trace_rank(cfg, dims, args, spec, batch, r * per_pp, keys, traced, n_micro, orders,
+                                 sampling, build)
         stages = [traced[k] for k in keys]
         order = orders.get(r) or pipeline.single_order(p.pipeline_parallel_schedule, ids[0], n_stages, n_micro)
         costs = {i: pipeline.StageCost(grads=s.grads, act=s.act, input_grad=0 if k[0] else s.io,
@@ -261,10 +261,10 @@ def _pipelined(cfg, dims, args, spec, grad_accum: int, sampling: Sampling) -> li
     return out[::-1]
 
 
-def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, traced: dict, n_micro: int,
-                orders: dict | None, sampling: Sampling) -> dict:
+def _trace_rank(cfg, dims, args, spec, batch: Batch, rank: int, keys: list, traced: dict, n_micro: int,
+                orders: dict | None, sampling: Sampling, build) -> dict:
     """Trace the stages of `rank` not traced yet (into `traced`, by key); returns every rank's schedule order."""
-    model = _build(spec, args)
+    model = build()
     with trace.fake_world(dims, rank) as world:
         pp_mesh = world.mesh["pp"]
         ids, parts, n_stages = pp.split(model, pp_mesh, cfg, spec.first_stage, spec.last_stage, spec.blocks)
@@ -282,7 +282,7 @@ def _trace_rank(cfg, dims, args, spec, grad_accum: int, rank: int, keys: list, t
                 spec.parallelize(piece, world, cfg)
                 trace.materialize(piece, world, fake)
                 stage = pp.make_stage(piece, i, n_stages, world.device, pp_mesh, cfg)
-                return trace.trace_stage(cfg, world, stage, spec, args, grad_accum, fake)
+                return trace.trace_stage(cfg, world, stage, spec, args, batch, fake)
 
             traced[key] = sampled(_kinds(part, spec.blocks), run, sampling)
     return orders

@@ -10,9 +10,8 @@ at the end of its backward: the scan's own backward peak is counted high by up t
 of it), a layer's and a model's hardly (their peak is elsewhere). tests/test_qwen3_5_plan.py compares a layer
 traced both ways."""
 
-import contextlib
-
 import torch
+from torch import nn
 
 from tessera.models.common import deltanet
 
@@ -43,12 +42,9 @@ def scan_bytes(u, w, q_read, attn, k_write, carry, s) -> tuple[torch.Tensor, tor
     return _ScanBytes.apply(u, w, q_read, attn, k_write, carry, s)
 
 
-@contextlib.contextmanager
-def scans_at_once():
-    """DeltaNet layers traced with `scan_bytes` for their scan."""
-    original = deltanet.delta_scan
-    deltanet.delta_scan = scan_bytes
-    try:
-        yield
-    finally:
-        deltanet.delta_scan = original
+def scans_at_once(model: nn.Module) -> nn.Module:
+    """`model`'s DeltaNet layers, traced with `scan_bytes` for their scan."""
+    for rule in model.modules():
+        if isinstance(rule, deltanet.DeltaRule):
+            rule.scan = scan_bytes
+    return model

@@ -23,8 +23,9 @@ from tessera.models.common.decoder import Decoder
 from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.tp import loss_context
+from tessera.run_plan import Batch
 from tessera.step import LossScale, forward_backward
-from tessera.trainer import build_step, micro_batches, step_loss, token_inputs
+from tessera.trainer import build_step, step_loss, token_inputs
 
 _SMALL = 1 << 16  # integer tensors up to this many elements carry values under EvenRouting
 _COLLECTIVES = ("c10d", "_c10d_functional", "fsdp")
@@ -58,27 +59,19 @@ def _forget_meshes() -> None:
     _redistribute.clear_redistribute_planner_cache()
 
 
-@contextlib.contextmanager
-def gpu_kernels(enabled: bool):
+def gpu_attention(model: nn.Module) -> nn.Module:
     """On CUDA, attention narrower than causal (windows, chunks, documents, sinks, context-parallel chunks) runs
     on FlexAttention, which keeps no scores; on a CPU those scores are materialized. Traced for a GPU, such
-    attention is computed by flash SDPA instead, which keeps what FlexAttention keeps (output, log-sum-exp).
-    Heads wider than 128 stay materialized, as on CUDA (tessera.models.common.attention.attend)."""
-    if not enabled:
-        yield
-        return
-    original, method = attention.attend, attention.CausalSDPA.__dict__["attend"]
+    attention is computed by flash SDPA instead, which keeps what FlexAttention keeps (output, log-sum-exp):
+    `model`'s attention kernels are given that function (attention.use_attention). Heads wider than 128 stay
+    materialized, as on CUDA (tessera.models.common.attention.attend)."""
+    return attention.use_attention(model, _flex_like)
 
-    def flex_like(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None):
-        if q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-        return original(q, k, v, window, chunk, scale, sinks, documents)
 
-    attention.attend, attention.CausalSDPA.attend = flex_like, staticmethod(flex_like)
-    try:
-        yield
-    finally:
-        attention.attend, attention.CausalSDPA.attend = original, method
+def _flex_like(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None):
+    if q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+    return attention.attend(q, k, v, window, chunk, scale, sinks, documents, masks)
 
 
 class EvenRouting(TorchDispatchMode):
@@ -241,12 +234,12 @@ def _batch(cfg, world: World, batch: int, vocab: int, bos: int | None) -> tuple[
     return token_inputs(tokens, labels, bos, world.mesh["cp"] if world.dims.cp > 1 else None, world.device)
 
 
-def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int, bos: int | None,
+def trace_model(cfg, world: World, model: nn.Module, spec, args, batch: Batch, bos: int | None,
                 fake: FakeTensorMode) -> StageTrace:
     """The whole model (no pipelining): the trainer's own step (build_step, forward_backward) for the step's
     micro-batches."""
     step = build_step(cfg, world, spec, model, pipeline=None, loss=step_loss(cfg, world, spec),
-                      scale=LossScale(1.0 / grad_accum), grad_accum=grad_accum)
+                      scale=LossScale(1.0 / batch.accumulation), batch=batch)
     with counting(fake, model) as meter:
         meter.track(list(model.parameters()) + list(model.buffers()))
         base, forward_end, phases = meter.current, [], []
@@ -256,7 +249,7 @@ def trace_model(cfg, world: World, model: nn.Module, spec, args, grad_accum: int
         forward_backward(step, inputs, labels)
         phases.append(meter.peak)
         grads = meter.current - base
-        if grad_accum > 1:  # later micro-batches run with the gradients of the first alive
+        if batch.accumulation > 1:  # later micro-batches run with the gradients of the first alive
             meter.reset_peak()
             forward_backward(step, inputs, labels)
             phases.append(meter.peak)
@@ -295,7 +288,7 @@ def _phase_marks(blocks: list[nn.Module], meter: LiveBytes, phases: list[int]) -
 MIDDLE = 2  # and MIDDLE + 4 for a second micro-batch
 
 
-def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: FakeTensorMode) -> StageTrace:
+def trace_stage(cfg, world: World, stage, spec, args, batch: Batch, fake: FakeTensorMode) -> StageTrace:
     """One pipeline stage (a torch PipelineStage over this rank's module), its micro-batches run the way the
     schedule runs them (FSDP without resharding or reducing between micro-batches, the gradients' reduction after
     the last): two forwards in flight, the second's backward (the step's first: no gradients yet), the first's
@@ -303,10 +296,10 @@ def trace_stage(cfg, world: World, stage, spec, args, grad_accum: int, fake: Fak
     part, is_first, is_last = stage.submod, stage.is_first, stage.is_last
     # The stage's module configured as the trainer's; its schedule's forwards and backwards are run below.
     step = build_step(cfg, world, spec, part, pipeline=None, loss=step_loss(cfg, world, spec), scale=LossScale(),
-                      grad_accum=grad_accum)
+                      batch=batch)
     p, t = cfg.parallelism, cfg.training
     loss, own_loss = step.loss_fn, is_last and step.labels_in_forward
-    share = micro_batches(cfg, world, grad_accum)
+    share = batch.micro_batches
     mb, seq = p.pipeline_parallel_microbatch_size, t.seq_len // world.dims.cp
     # Between stages: the residual stream (DeepSeek's training MTP: with the input embeddings beside it),
     # sequence-parallel under TP, in FSDP's compute dtype (else fp32).

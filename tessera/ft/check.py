@@ -30,7 +30,6 @@ LOCK, FINGERPRINT = ".lock", "ft-config.json"
 _PER_GROUP = ("job.", "metrics.", "profiling.", "comm.", "checkpoint.", "generate.", "validation.",
               "fault_tolerance.replica_id", "fault_tolerance.lighthouse", "fault_tolerance.log_state_digest",
               "fault_tolerance.job_name")
-_held: dict[str, int] = {}  # lock path -> open descriptor, for the life of this process
 
 
 def enabled(cfg: JobConfig) -> bool:
@@ -171,11 +170,12 @@ def identity(cfg: JobConfig, world_size: int) -> tuple[str, str]:
     return cfg.fault_tolerance.job_name or f"cfg-{settings[:8]}", settings
 
 
-def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
+def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> int | None:
     """The lighthouse answers, no live group has this replica id, and every live group runs this config. `hold`
-    (rank 0 of a running group): keep this id's lock and record the fingerprint for the groups that come later."""
+    (rank 0 of a running group): keep this id's lock and record the fingerprint for the groups that come later;
+    returns the lock's descriptor, which `release` gives up (and the process's end, however it ends)."""
     if not enabled(cfg):
-        return
+        return None
     _probe_lighthouse(cfg)
     mine = fingerprint(cfg, world_size)
     folder = group_folder(cfg)
@@ -194,18 +194,18 @@ def check_live(cfg: JobConfig, world_size: int, hold: bool = False) -> None:
         raise
     if not hold:
         os.close(fd)
-        return
-    _held[folder] = fd
+        return None
     os.ftruncate(fd, 0)
     os.write(fd, f"{socket.gethostname()} pid {os.getpid()}".encode())
     with open(os.path.join(folder, FINGERPRINT), "w") as fh:
         json.dump(mine, fh, indent=1)
+    return fd
 
 
-def release() -> None:
-    """Give up the replica ids this process holds (its group is done)."""
-    while _held:
-        os.close(_held.popitem()[1])
+def release(held: int | None) -> None:
+    """Give up the replica id whose lock `check_live(hold=True)` returned (its group is done)."""
+    if held is not None:
+        os.close(held)
 
 
 def _check_address(address: str, given: str) -> None:

@@ -75,7 +75,8 @@ class ReplicaGroup:
 
         self.cfg, self.world, self.saved, self.fetch, self.balancer = cfg, world, saved, fetch, balancer
         self.model_args, f = model_args, cfg.fault_tolerance
-        on_rank0(lambda: check.check_live(cfg, world.size, hold=True))
+        held = on_rank0(lambda: check.check_live(cfg, world.size, hold=True))
+        self.held_id = held if world.rank == 0 else None  # the lock of this replica id, which rank 0 holds
         self.job, self.settings = check.identity(cfg, world.size)
         self.mixed = False  # a group of another job is in the quorum (warned once)
         self.store = None
@@ -285,7 +286,7 @@ class ReplicaGroup:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
-        check.release()
+        check.release(self.held_id)
 
     # ---- what a recovering group copies from a live one ----------------------------------------------
     def _state(self) -> dict:

@@ -42,7 +42,7 @@ class Counts:
 
 @dataclass(frozen=True)
 class RunView:
-    """What a family's evaluation (ModelSpec.evaluate) gets of the run, typed: not the Trainer."""
+    """What a family's evaluation (OwnTraining.evaluate) gets of the run, typed: not the Trainer."""
     cfg: Any
     world: Any  # tessera.distributed.World
     model: Any  # the module trained (under pipelining, a view over this rank's stages)
@@ -54,7 +54,7 @@ class RunView:
 
 @dataclass(frozen=True)
 class BatchView:
-    """What a family's batch hook (ModelSpec.batch) gets of the run, typed: not the Trainer."""
+    """What a family's batch hook (OwnTraining.batch) gets of the run, typed: not the Trainer."""
     world: Any  # tessera.distributed.World: the device, and under context parallelism its "cp" mesh
     document_bos: int | None  # model.attn_mask_type = block_causal: a document starts at each of these tokens
     document_eos: int | None = None  # ... and ends at each of these (a BOS right after one is no target)
@@ -67,6 +67,19 @@ class Encoded:
     folder: str  # where the cache goes (Flux: flux.latent_cache)
     splits: Mapping[str, tuple[int, Callable[[list[int]], dict]]]  # split -> (its examples, encode(example ids) ->
     # {column: tensor [len(ids), ...]})
+
+
+@dataclass(frozen=True)
+class OwnTraining:
+    """The training-step parts a family brings in place of token windows and their cross-entropy (Flux's: with its
+    own data, Family.own_data). The trainer runs its batches through `batch` and its loss through `loss`."""
+    batch: Callable  # (BatchView, loader) -> (inputs by keyword, labels) on device
+    loss: Callable  # (model output, labels) -> the micro-batch's mean
+    data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch, rewind,
+    # state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen encoders);
+    # None: the token loader
+    evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
+    # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
 
 
 @dataclass(frozen=True)
@@ -84,11 +97,8 @@ class ModelSpec:
     last_stage: tuple[str, ...]  # ... only the last
     blocks: tuple[str, ...] = ("layers",)  # the block stacks pipelining splits: ModuleDicts keyed by int, in forward
     # order (a model with two stacks, Flux's double and single blocks, names both)
-    loss: Callable | None = None  # (model output, labels) -> the micro-batch's mean; None: cross-entropy over the
-    # vocabulary, summed over trained tokens and divided by those of the global batch
-    batch: Callable | None = None  # (BatchView, loader) -> (inputs by keyword, labels) on device; None: token windows
-    evaluate: Callable | None = None  # (RunView, last step) -> whether it ran: the family's own evaluation after
-    # each step (it decides when: Flux's sample grids every flux.sample_freq steps); every rank calls it
+    training: OwnTraining | None = None  # the parts of a training step a family brings in place of token
+    # windows and their cross-entropy (Flux's); None: tokens
     draw: Callable | None = None  # (model, cfg, folder, prompt, seeds) -> uint8 images [len(seeds), h, w, c], one per
     # noise seed, of the model loaded from `folder`: `python -m tessera.generate` draws a checkpoint of this family
     # so (Flux: images of a caption) and writes their grid; cfg holds the family's options of the checkpoint's run
@@ -126,7 +136,7 @@ class Family:
     # it needs of the rest, before any rank starts; ValueError "key: why; fix"
     moved_options: Mapping[str, str] = field(default_factory=dict)  # {old key elsewhere: its option}: older configs
     # still load, with one warning line
-    own_data: bool = False  # it brings its own data (ModelSpec.data) and checks it in `check`, in place of the text
+    own_data: bool = False  # it brings its own data (ModelSpec.training) and checks it in `check`, in place of the text
     # data's checks
     metrics: Mapping[str, str] = field(default_factory=dict)  # {metric it adds: its label on the console line}
     trains_absent_parts: Callable[[Any], bool] | None = None  # (cfg): whether the run trains parts that its

@@ -11,11 +11,14 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
+def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True, async_tp: bool = False) -> None:
     """`fullgraph=False` for blocks with data-dependent shapes and hooks inside (MoE: token counts per expert,
-    the experts' own FSDP and EP hooks): dynamo breaks the graph around those instead of refusing."""
+    the experts' own FSDP and EP hooks): dynamo breaks the graph around those instead of refusing. `async_tp`:
+    inductor splits these blocks' TP collectives into micro-pipelined matmuls (tessera.parallel.tp.enable_async_tp),
+    an option of their compilation only, not of every graph the process compiles."""
+    options = {"_micro_pipeline_tp": True} if async_tp else None
     for block in blocks.values():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, options=options)
 
 
 def compile_loss(loss_fn: Callable) -> Callable:

@@ -70,17 +70,44 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
+class WholeDocuments:
+    """The whole sequence's document numbers [batch, 2·CP·L] from each rank's [batch, 2L], gathered in global
+    order over the CP group. The CP layers of a model share one (apply_cp): every layer of an eager forward asks
+    with the same tensor, so the first gathers and the others read what it kept (the last forward's, held until
+    the next). Compiled blocks (compiled whole-graph) gather their own, traced: [batch, 2L] integers, small beside
+    attention's all-to-alls."""
+
+    def __init__(self, group: dist.ProcessGroup, cp: int):
+        self.group, self.cp = group, cp
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (local document numbers, the whole sequence's)
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _gather_documents(local, self.group, self.cp)
+        if self.last is None or self.last[0] is not local:
+            self.last = local, _gather_documents(local, self.group, self.cp)
+        return self.last[1]
+
+
+def _gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """An all-to-all that sends every rank the same piece is an all-gather (gloo lacks all_gather_into_tensor);
+    torch's functional one traces under compile."""
+    parts = funcol.all_to_all_single(local.expand(cp, *local.shape).contiguous(), None, None, group)
+    return _in_order(parts.unbind(0), cp, dim=1)
+
+
 class ContextParallelAttention(nn.Module):
     """This rank's query chunks against the whole sequence's keys and values, with the mask (causal, narrowed
     by a window or chunks) and the sinks of the kernel it replaces (the same parameter, under the same name),
     computed by that kernel's own `attend` function (queries at the last positions of the keys it is given)."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module,
+                 documents: WholeDocuments):
         super().__init__()
-        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.group, self.cp_rank, self.cp, self.documents = group, cp_rank, cp, documents
         self.scale, self.window, self.chunk = (getattr(kernel, a, None) for a in ("scale", "window", "chunk"))
-        self.sinks = getattr(kernel, "sinks", None)
-        self.attend = type(kernel).attend
+        self.sinks, self.masks = getattr(kernel, "sinks", None), getattr(kernel, "masks", None)
+        self.attend = kernel.attend
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """[b, h, 2L, d] on each rank -> [b, h, 2·CP·L, d] in global order."""
@@ -91,39 +118,15 @@ class ContextParallelAttention(nn.Module):
         """`documents` [batch, 2L]: the document numbers of this rank's tokens (numbered over the whole sequence);
         the keys' are gathered here."""
         keys, values = self._whole(k), self._whole(v)
-        docs = None if documents is None else self._documents(documents)
+        docs = None if documents is None else self.documents(documents)
         size = q.shape[2] // 2
         out = []
         for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
             end = (chunk + 1) * size  # keys after the chunk's last query are all masked: skip them
             out.append(self.attend(q[:, :, half * size:(half + 1) * size], keys[:, :, :end], values[:, :, :end],
                                    self.window, self.chunk, self.scale, self.sinks,
-                                   None if docs is None else docs[:, :end]))
+                                   None if docs is None else docs[:, :end], self.masks))
         return torch.cat(out, dim=2)
-
-    def _documents(self, local: torch.Tensor) -> torch.Tensor:
-        return whole_documents(local, self.group, self.cp)
-
-
-def whole_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
-    """The whole sequence's document numbers [batch, 2·CP·L] from each rank's [batch, 2L], gathered in global
-    order. Every layer of an eager forward asks with the same tensor: gathered once. Compiled blocks (compiled
-    whole-graph) gather their own, traced: [batch, 2L] integers, small beside attention's all-to-alls."""
-    if torch.compiler.is_compiling():
-        return _gather_documents(local, group, cp)
-    if _gathered[0] is not local:
-        _gathered[:] = [local, _gather_documents(local, group, cp)]
-    return _gathered[1]
-
-
-def _gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
-    """An all-to-all that sends every rank the same piece is an all-gather (gloo lacks all_gather_into_tensor);
-    torch's functional one traces under compile."""
-    parts = funcol.all_to_all_single(local.expand(cp, *local.shape).contiguous(), None, None, group)
-    return _in_order(parts.unbind(0), cp, dim=1)
-
-
-_gathered: list = [None, None]  # (local document numbers, the whole sequence's) of the last forward
 
 
 class BidirectionalContextParallelAttention(nn.Module):
@@ -133,7 +136,7 @@ class BidirectionalContextParallelAttention(nn.Module):
 
     def __init__(self, group: dist.ProcessGroup, kernel: nn.Module):
         super().__init__()
-        self.group, self.attend = group, type(kernel).attend
+        self.group, self.attend = group, kernel.attend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = (_AllGather.apply(x, self.group).permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (k, v))
@@ -168,13 +171,14 @@ class UlyssesAttention(nn.Module):
     """The kernel it replaces (its `attend`, masks, scale and sinks: the same parameter, under the same name),
     run on whole sequences of this rank's head group."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, kernel: nn.Module,
+                 documents: WholeDocuments):
         super().__init__()
-        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.group, self.cp_rank, self.cp, self.documents = group, cp_rank, cp, documents
         self.bidirectional = getattr(kernel, "bidirectional", False)
         self.scale, self.window, self.chunk = (getattr(kernel, a, None) for a in ("scale", "window", "chunk"))
-        self.sinks = getattr(kernel, "sinks", None)
-        self.attend = type(kernel).attend
+        self.sinks, self.masks = getattr(kernel, "sinks", None), getattr(kernel, "masks", None)
+        self.attend = kernel.attend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,8 +194,8 @@ class UlyssesAttention(nn.Module):
         if self.bidirectional:
             out = self.attend(q, k, v)
         else:
-            docs = None if documents is None else whole_documents(documents, self.group, self.cp)
-            out = self.attend(q, k, v, self.window, self.chunk, self.scale, self._my_sinks(), docs)
+            docs = None if documents is None else self.documents(documents)
+            out = self.attend(q, k, v, self.window, self.chunk, self.scale, self._my_sinks(), docs, self.masks)
         return sequence_to_heads_split(out, self.group, self.cp)
 
     def _my_sinks(self) -> torch.Tensor | None:
@@ -210,9 +214,9 @@ class UlyssesHeads(nn.Module):
     per-head parameters, split along their first dim) and the whole sequence's document numbers; a second sends the
     outputs [batch, 2·CP·L, heads / CP, ...] back to the ranks that own their tokens."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, rule: nn.Module):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, rule: nn.Module, documents: WholeDocuments):
         super().__init__()
-        self.group, self.cp_rank, self.cp, self.rule = group, cp_rank, cp, rule
+        self.group, self.cp_rank, self.cp, self.rule, self.documents = group, cp_rank, cp, rule, documents
 
     def forward(self, inputs: list[torch.Tensor], heads: list[torch.Tensor], documents: torch.Tensor | None = None,
                 cache=None, **settings) -> torch.Tensor:
@@ -223,7 +227,7 @@ class UlyssesHeads(nn.Module):
         parts = _exchange(grouped.movedim(2, 0), self.group)  # [CP (sender), b, 2L, group's]
         whole = _in_order(parts.unbind(0), self.cp, dim=1).split(sizes, dim=-1)
         mine = [p.chunk(self.cp)[self.cp_rank] for p in heads]
-        docs = None if documents is None else whole_documents(documents, self.group, self.cp)
+        docs = None if documents is None else self.documents(documents)
         out = self.rule(list(whole), mine, docs, **settings)  # [b, 2·CP·L, heads / CP, ...]
         back = torch.stack([shard_sequence(out, rank, self.cp) for rank in range(self.cp)])  # [CP (receiver), ...]
         return _exchange(back, self.group).movedim(0, 2).flatten(2, 3)  # [b, 2L, CP (head group) x heads / CP, ...]
@@ -232,23 +236,25 @@ class UlyssesHeads(nn.Module):
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
     """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one of `method`
     (parallelism.context_parallel_method); a linear-attention mixer's per-head recurrence (`<attention>.rule`)
-    takes Ulysses only: all-gather CP would leave each rank a part of the sequence the recurrence runs along."""
+    takes Ulysses only: all-gather CP would leave each rank a part of the sequence the recurrence runs along. The
+    blocks share one gathering of the document numbers per forward."""
+    group, rank, cp = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+    documents = WholeDocuments(group, cp)
     for block in blocks.values():
         module = getattr(block, attention)
         if hasattr(module, "rule"):
             if method != "ulysses":
                 raise ValueError(f"context_parallel_method = {method!r}: a linear-attention layer needs each head's "
                                  f"whole sequence; use ulysses")
-            module.rule = UlyssesHeads(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), module.rule)
+            module.rule = UlyssesHeads(group, rank, cp, module.rule, documents)
             continue
         if method == "ulysses":
-            module.sdpa = UlyssesAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), module.sdpa)
+            module.sdpa = UlyssesAttention(group, rank, cp, module.sdpa, documents)
             continue
         if getattr(module.sdpa, "bidirectional", False):
-            module.sdpa = BidirectionalContextParallelAttention(cp_mesh.get_group(), module.sdpa)
+            module.sdpa = BidirectionalContextParallelAttention(group, module.sdpa)
             continue
-        module.sdpa = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(),
-                                               module.sdpa)
+        module.sdpa = ContextParallelAttention(group, rank, cp, module.sdpa, documents)
 
 
 class ContextParallelLookahead(nn.Module):

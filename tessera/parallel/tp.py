@@ -128,10 +128,10 @@ def _settle(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:
-    """Let inductor split TP collectives into micro-pipelined matmuls over symmetric memory (CUDA only)."""
+    """Symmetric memory for the TP group, so that inductor can split its collectives into micro-pipelined matmuls
+    (CUDA only); the blocks ask for the split as they are compiled (tessera.parallel.compile.apply_compile)."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(mesh.get_group().group_name)
 
 

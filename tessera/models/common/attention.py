@@ -57,7 +57,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
            scale: float | None = None, sinks: torch.Tensor | None = None,
-           documents: torch.Tensor | None = None) -> torch.Tensor:
+           documents: torch.Tensor | None = None, masks: "DocumentMasks | None" = None) -> torch.Tensor:
     """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
     own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
     document's start), with `sinks`. FlexAttention on
@@ -67,7 +67,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, c
     if q.shape[2] == k.shape[2] and not (window or chunk or sinks is not None or documents is not None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider heads overflow its tiles
-        return flex_attend(q, k, v, window, chunk, scale, sinks, documents)
+        return flex_attend(q, k, v, window, chunk, scale, sinks, documents, masks)
     n_q, n_k = q.shape[2], k.shape[2]
     if documents is not None and chunk:
         documents, chunk = document_chunks(documents, chunk), 0
@@ -103,41 +103,79 @@ def _block_mask(n_q: int, n_k: int, window: int, chunk: int, device: torch.devic
                              _compile=device.type == "cuda")  # compiled, it never holds the [n_q, n_k] mask
 
 
-_documents_mask: list = [None, None]  # (key, mask): every layer of a forward asks for the same documents' mask
+class DocumentMasks:
+    """The FlexAttention block masks of one documents tensor, by shape, window and chunk. Every layer of a forward
+    asks with the same tensor: each mask is made once a forward, by the first layer that needs it, and kept until
+    a forward asks with another tensor. A model's kernels share one (share_document_masks)."""
+
+    def __init__(self):
+        self.documents: torch.Tensor | None = None  # the tensor itself: held here, its storage is never reused
+        self.masks: dict[tuple, object] = {}
+
+    def __call__(self, documents: torch.Tensor, n_q: int, n_k: int, window: int, chunk: int, device: torch.device):
+        if self.documents is not documents:
+            self.documents, self.masks = documents, {}
+        key = (n_q, n_k, window, chunk)
+        if key not in self.masks:
+            self.masks[key] = _documents_block_mask(documents, n_q, n_k, window, chunk, device)
+        return self.masks[key]
+
+
+def _documents_block_mask(documents: torch.Tensor, n_q: int, n_k: int, window: int, chunk: int,
+                          device: torch.device):
+    return create_block_mask(_mask_rule(n_q, n_k, window, chunk, documents), documents.shape[0], None, n_q, n_k,
+                             device=device, _compile=documents.is_cuda)
 
 
 @torch.compiler.disable  # built eagerly, then an input of the compiled attention
 def block_mask(n_q: int, n_k: int, window: int, chunk: int, device: torch.device,
-               documents: torch.Tensor | None = None):
+               documents: torch.Tensor | None = None, masks: DocumentMasks | None = None):
     if documents is None:
         return _block_mask(n_q, n_k, window, chunk, torch.device(device))
-    key = (documents, n_q, n_k, window, chunk)  # the tensor itself: held here, its storage is never reused
-    if not (_documents_mask[0] and _documents_mask[0][0] is documents and _documents_mask[0][1:] == key[1:]):
-        rule = _mask_rule(n_q, n_k, window, chunk, documents)
-        _documents_mask[:] = key, create_block_mask(rule, documents.shape[0], None, n_q, n_k, device=device,
-                                                    _compile=documents.is_cuda)
-    return _documents_mask[1]
+    if masks is None:
+        return _documents_block_mask(documents, n_q, n_k, window, chunk, device)
+    return masks(documents, n_q, n_k, window, chunk, device)
 
 
-_compiled_flex: list = []  # made on first use: torch.compile costs seconds at import
+def use_attention(model: nn.Module, attend_fn) -> nn.Module:
+    """`model`'s attention kernels (CausalSDPA) compute with `attend_fn`, a function of `attend`'s arguments, in
+    place of `attend` (the context-parallel kernels apply_cp makes afterwards take it from them): the estimate's
+    GPU-like attention, a benchmark's materialized scores. Only this model's: no other changes."""
+    for kernel in model.modules():
+        if isinstance(kernel, CausalSDPA):
+            kernel.attend = attend_fn
+    return model
+
+
+def share_document_masks(model: nn.Module) -> None:
+    """One DocumentMasks for every attention kernel of `model` (its constructor calls this), so a forward makes
+    each documents' mask once, not once per layer."""
+    masks = DocumentMasks()
+    for kernel in model.modules():
+        if isinstance(kernel, CausalSDPA):
+            kernel.masks = masks
+
+
+# Memoized safely: a pure function of nothing (made on first use: torch.compile costs seconds at import).
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
 
 
 def _flex_kernel(device: torch.device):
     """Compiled on CUDA, where it is a fused kernel (inside a compiled block, the block's compile takes it in)."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention
-    if not _compiled_flex:
-        _compiled_flex.append(torch.compile(flex_attention))
-    return _compiled_flex[0]
+    return _compiled_flex_attention()
 
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
                 scale: float | None = None, sinks: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, masks: DocumentMasks | None = None) -> torch.Tensor:
     """`attend` by FlexAttention (compiled on CUDA; eager elsewhere, forward only). A sink s joins each
     softmax's denominator: out · e^lse / (e^lse + e^s) = out · sigmoid(lse − s), exact, and differentiable
     through the log-sum-exp."""
-    mask = block_mask(q.shape[2], k.shape[2], window, chunk, q.device, documents)
+    mask = block_mask(q.shape[2], k.shape[2], window, chunk, q.device, documents, masks)
     kernel = _flex_kernel(q.device)
     if sinks is None:
         return kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
@@ -156,13 +194,15 @@ class CausalSDPA(nn.Module):
         super().__init__()
         self.window, self.chunk, self.scale = window, chunk, scale  # scale: of the scores, None: head_dim^-1/2
         self.sinks = nn.Parameter(torch.empty(n_sinks)) if n_sinks else None
+        self.masks = DocumentMasks()  # its own until its model shares one among its kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
-        return attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents)
+        return self.attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents, self.masks)
 
-    # For a kernel that replaces this one (context parallel) and keeps its masks and sinks.
+    # The function it computes with: a kernel that replaces this one (context parallel) takes it, with the masks
+    # and sinks; tessera.estimate gives its traced models one that holds what a GPU holds.
     attend = staticmethod(attend)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.common.attention import Attention, FeedForward, KVCache
+from tessera.models.common.attention import Attention, FeedForward, KVCache, share_document_masks
 from tessera.models.common.chunked_loss import chunked_cross_entropy, summed_cross_entropy
 from tessera.models.common.moe import MoE
 from tessera.models.common.rope import attention_factor, inv_freq, rope_table
@@ -61,6 +61,7 @@ class Decoder(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_dim = getattr(args, "rope_dim", args.head_dim)  # MLA rotates only part of each head
         self.register_buffer("rope", torch.empty(args.max_seq_len, 2, self.rope_dim, device="meta"), persistent=False)
+        share_document_masks(self)
 
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
         """The RoPE table, at `positions` (default 0 ... max_seq_len - 1). Materializing (no `positions`), the

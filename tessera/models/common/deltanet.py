@@ -51,10 +51,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            chunk_size: int = 64, state: torch.Tensor | None = None,
-                           documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           documents: torch.Tensor | None = None, scan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [batch, seq, heads, dk] (L2-normed; scaled here), v [batch, seq, heads, dv], g (log decay, <= 0) and
     beta [batch, seq, heads]; `state` [batch, heads, dk, dv] (default 0); `documents` [batch, seq]: the state
-    resets at each document's first token. -> (out [batch, seq, heads, dv], final state), computed in fp32."""
+    resets at each document's first token. -> (out [batch, seq, heads, dv], final state), computed in fp32.
+    `scan`: the scan across chunks (default `delta_scan`; tessera.estimate traces one that allocates its bytes at
+    once)."""
     dtype, (bsz, seq, heads, dk), dv = v.dtype, k.shape, v.shape[-1]
     pad = (-seq) % chunk_size
     n = (seq + pad) // chunk_size
@@ -87,7 +89,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     attn = (q @ k.transpose(-1, -2)) * pair
     q_read, k_write = q * reads[..., None], k * writes[..., None]
     s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
-    out, s = delta_scan(u, w, q_read, attn, k_write, carry, s)
+    out, s = (scan or delta_scan)(u, w, q_read, attn, k_write, carry, s)
     out = out.reshape(bsz, heads, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).to(dtype), s
 
@@ -182,7 +184,9 @@ class DeltaRule(nn.Module):
     L2-normed q and k, beta and the decay, and the delta rule along the sequence. Its per-token inputs split by
     head along their last dim and the per-head parameters it is handed along their first; it holds none of its
     own, so context parallelism can swap it for one that runs a head group's whole sequences
-    (tessera.parallel.cp.UlyssesHeads)."""
+    (tessera.parallel.cp.UlyssesHeads). `scan`: its scan across chunks (see chunk_gated_delta_rule)."""
+
+    scan = staticmethod(delta_scan)
 
     def __init__(self, dk: int, dv: int):
         super().__init__()
@@ -215,7 +219,7 @@ class DeltaRule(nn.Module):
         elif cache is not None and seq < chunk_size:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, documents)
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, state, documents)
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, state, documents, self.scan)
         if cache is not None:
             cache.state.copy_(final)
             cache.length += seq

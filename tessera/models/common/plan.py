@@ -55,7 +55,8 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
             apply_cp(blocks, "attention", world.mesh["cp"], p.context_parallel_method)
     apply_ac(model.layers, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model.layers, fullgraph=not moe)
+        apply_compile(model.layers, fullgraph=not moe,
+                      async_tp=world.dims.tp > 1 and p.enable_async_tensor_parallel)
     dp_mesh, experts_mesh, router_mesh = world.dp_mesh(), world.moe_mesh(experts=True), world.moe_mesh(experts=False)
     inner = [(m.experts, experts_mesh) for m in moe if experts_mesh is not None]
     inner += [(part, router_mesh) for m in moe for part in (m.router, m.shared) if part and router_mesh is not None]

@@ -5,6 +5,7 @@ import json
 import os
 
 from tessera.models.flux.args import FLAVORS
+from tessera.models.flux.options import FluxConfig
 
 DATASETS = ("shapes", "folder", "jsonl", "webdataset", "hub")
 PATCH = 2  # latents are cut into 2x2 patches, one token each
@@ -50,7 +51,7 @@ def image_tokens(resolution: int, scale: int) -> int:
     return (resolution // (scale * PATCH)) ** 2
 
 
-def check(cfg, resolved=None, dims=None) -> None:
+def check(cfg: FluxConfig, resolved=None, dims=None) -> None:
     """The [flux] section and what Flux needs of the rest (its data in place of the text data's checks); the
     architecture is the flavor's or the imported folder's (`resolved`, the launcher's, is not needed)."""
     f, t, m = cfg.flux, cfg.training, cfg.model

@@ -15,6 +15,7 @@ from tessera.models.contract import Encoded
 from tessera.models.flux import shapes
 from tessera.models.flux.encoders import build_conditioning, image_ids, patchify
 from tessera.models.flux.latents import COLUMNS, LatentCache
+from tessera.models.flux.options import FluxConfig
 from tessera.models.flux.pairs import LISTERS, Pairs
 from tessera.parallel import cp
 
@@ -27,7 +28,7 @@ def sample_t(gen: torch.Generator, sampling: str, mean: float, std: float) -> fl
     return torch.sigmoid(mean + std * torch.randn((), generator=gen)).item()
 
 
-def frozen_encoders(cfg, args, device: torch.device, dp_mesh=None):
+def frozen_encoders(cfg: FluxConfig, args, device: torch.device, dp_mesh=None):
     """(text encoders, autoencoder) of `flux.encoders`: built once by whoever builds a run's loaders, and
     handed to each (the training and validation loaders share them)."""
     return build_conditioning(cfg.flux.encoders, cfg.flux.text_len, args, device, dp_mesh)
@@ -104,7 +105,7 @@ class FluxLoader:
         self.sample_index = int(state["sample_index"])
 
 
-def encoded(cfg, args, device: torch.device) -> Encoded:
+def encoded(cfg: FluxConfig, args, device: torch.device) -> Encoded:
     """The latents of the run's pairs, for its latent cache (ModelSpec.encode): both splits' loaders share the
     frozen encoders, loaded once."""
     f = cfg.flux
@@ -122,7 +123,7 @@ def encoded(cfg, args, device: torch.device) -> Encoded:
     return Encoded(folder=f.latent_cache, splits=splits)
 
 
-def build_loaders(cfg, world, args, splits: tuple[str, ...], bad=None) -> dict[str, FluxLoader]:
+def build_loaders(cfg: FluxConfig, world, args, splits: tuple[str, ...], bad=None) -> dict[str, FluxLoader]:
     """This rank's loader of each split; one set of frozen encoders (FSDP-sharded over data parallelism) for all."""
     if world.rank == 0:
         log.info(f"flux: an image is {cfg.training.seq_len} tokens ({cfg.flux.text_len} text + "

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from tessera.config.sections import opt
+from tessera.config.sections import JobConfig, opt
 
 
 @dataclass
@@ -37,3 +37,9 @@ class FluxOptions:
     guidance_scale: float = opt(4.0, "classifier-free guidance scale of samples (guidance-embedding flavors: fed to "
                                 "the model instead); 1 = none", min=0.0)
     sample_seed: int = opt(0, "seed of the samples' noise", min=0)
+
+
+class FluxConfig(JobConfig):
+    """The whole config as Flux's code reads it (a type for readers and checkers, never built: the schema,
+    tessera.schema, mounts FluxOptions as the `flux` section of the one JobConfig)."""
+    flux: FluxOptions

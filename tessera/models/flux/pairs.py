@@ -80,38 +80,38 @@ def _webdataset(path: str, bad) -> list[tuple]:
     return pairs
 
 
-_HUB: dict = {}  # path -> (dataset, image column, caption column), loaded once per process
 CAPTION_COLUMNS = ("caption", "text", "txt", "prompt")
 
 
-def hub_dataset(path: str):
-    if path not in _HUB:
-        import datasets
+def hub_dataset(path: str) -> tuple:
+    """(the dataset, its image column, its caption column) of a Hub name or a local copy."""
+    import datasets
 
-        try:
-            ds = datasets.load_dataset(path, split="train")
-        except Exception as e:  # offline, a missing repo, a bad folder: all surface here
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            raise DataError(f"training.dataset_path: cannot load '{path}' with datasets.load_dataset ({why}); check "
-                            f"the name, the network or HF_TOKEN, or use a local copy") from None
-        image = next((c for c, f in ds.features.items() if isinstance(f, datasets.Image)), None)
-        caption = next((c for c in CAPTION_COLUMNS if c in ds.features), None)
-        if image is None or caption is None:
-            raise DataError(f"training.dataset_path: '{path}' has no image column or no caption column (one of "
-                            f"{', '.join(CAPTION_COLUMNS)}); its columns are {', '.join(ds.features)}")
-        _HUB[path] = (ds, image, caption)
-    return _HUB[path]
-
-
-def _hub(path: str, bad) -> list[tuple]:
-    return [("hub", path, i) for i in range(len(hub_dataset(path)[0]))]
+    try:
+        ds = datasets.load_dataset(path, split="train")
+    except Exception as e:  # offline, a missing repo, a bad folder: all surface here
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise DataError(f"training.dataset_path: cannot load '{path}' with datasets.load_dataset ({why}); check "
+                        f"the name, the network or HF_TOKEN, or use a local copy") from None
+    image = next((c for c, f in ds.features.items() if isinstance(f, datasets.Image)), None)
+    caption = next((c for c in CAPTION_COLUMNS if c in ds.features), None)
+    if image is None or caption is None:
+        raise DataError(f"training.dataset_path: '{path}' has no image column or no caption column (one of "
+                        f"{', '.join(CAPTION_COLUMNS)}); its columns are {', '.join(ds.features)}")
+    return ds, image, caption
 
 
-LISTERS = {"folder": _folder, "jsonl": _jsonl, "webdataset": _webdataset, "hub": _hub}
+def _hub_entries(path: str, hub: tuple) -> list[tuple]:
+    return [("hub", path, i) for i in range(len(hub[0]))]
 
 
-def listing(kind: str, path: str, split: str, bad=None) -> list[tuple]:
-    pairs = LISTERS[kind](path, bad)
+LISTERS = {"folder": _folder, "jsonl": _jsonl, "webdataset": _webdataset,
+           "hub": lambda path, bad: _hub_entries(path, hub_dataset(path))}
+
+
+def listing(kind: str, path: str, split: str, bad=None, hub: tuple | None = None) -> list[tuple]:
+    """The pairs of `split` (every HOLD_OUT-th is validation's); `hub`: the dataset hub_dataset loaded, if any."""
+    pairs = _hub_entries(path, hub) if hub is not None else LISTERS[kind](path, bad)
     if split == "validation":
         return pairs[::HOLD_OUT]
     return [p for i, p in enumerate(pairs) if i % HOLD_OUT]
@@ -122,13 +122,13 @@ def _tar_read(shard: str, name: str) -> bytes:
         return tar.extractfile(name).read()
 
 
-def load(entry: tuple, resolution: int) -> tuple[np.ndarray, str]:
-    """(uint8 [resolution, resolution, 3], caption) of a listed pair."""
+def load(entry: tuple, resolution: int, hub: tuple | None = None) -> tuple[np.ndarray, str]:
+    """(uint8 [resolution, resolution, 3], caption) of a listed pair (`hub`: its dataset, for a Hub pair)."""
     try:
         if entry[0] == "file":
             image, caption = Image.open(entry[1]), entry[2]
         elif entry[0] == "hub":
-            ds, image_column, caption_column = hub_dataset(entry[1])
+            ds, image_column, caption_column = hub
             row = ds[entry[2]]
             image, caption = row[image_column], str(row[caption_column])
         else:
@@ -151,7 +151,8 @@ class Pairs:
     """Sample i of the split: pair order_e[i mod N] of epoch e = i // N."""
 
     def __init__(self, kind: str, path: str, split: str, seed: int, resolution: int, bad=None):
-        self.entries, self.seed, self.resolution = listing(kind, path, split, bad), seed, resolution
+        self.hub = hub_dataset(path) if kind == "hub" else None  # loaded once, read by every pair
+        self.entries, self.seed, self.resolution = listing(kind, path, split, bad, self.hub), seed, resolution
         if not self.entries:
             raise DataError(f"training.dataset_path: no image-caption pairs for the {split} split in '{path}' "
                             f"({kind}; every {HOLD_OUT}th pair is held out); check the path and format")
@@ -167,7 +168,7 @@ class Pairs:
         return int(self._order[1][i])
 
     def read(self, pair_id: int) -> tuple[np.ndarray, str]:
-        return load(self.entries[pair_id], self.resolution)
+        return load(self.entries[pair_id], self.resolution, self.hub)
 
     def __call__(self, index: int) -> tuple[np.ndarray, str]:
         return self.read(self.pair_id(index))

@@ -2,8 +2,8 @@
 
 from torch import nn
 
-from tessera.config import JobConfig
 from tessera.distributed import World
+from tessera.models.flux.options import FluxConfig
 from tessera.parallel.ac import apply_ac
 from tessera.parallel.compile import apply_compile
 from tessera.parallel.cp import apply_cp
@@ -12,7 +12,7 @@ from tessera.parallel.fsdp import apply_fsdp, mixed_precision
 STACKS = ("transformer_blocks", "single_transformer_blocks")
 
 
-def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
+def parallelize(model: nn.Module, world: World, cfg: FluxConfig) -> nn.Module:
     stacks = [getattr(model, name) for name in STACKS]
     for stack in stacks:
         if world.dims.cp > 1:  # bidirectional: every rank's queries see every token's keys

@@ -17,6 +17,7 @@ from tessera.models.contract import RunView
 from tessera.models.flux.checks import PATCH, autoencoder_shape
 from tessera.models.flux.data import FluxLoader, shard_inputs
 from tessera.models.flux.encoders import unpatchify
+from tessera.models.flux.options import FluxConfig
 from tessera.parallel import cp
 
 log = logging.getLogger("tessera")
@@ -62,7 +63,7 @@ def sample(model, loader, prompts: list[str], steps: int, scale: float, seed: in
     return loader.autoencoder.decode(unpatchify(x, side, side)).cpu().numpy()
 
 
-def _check_encoders(cfg, args, folder: str) -> None:
+def _check_encoders(cfg: FluxConfig, args, folder: str) -> None:
     latents, _ = autoencoder_shape(cfg.flux.encoders)
     if args.in_channels != latents * PATCH * PATCH:
         raise ValueError(f"flux.encoders: '{cfg.flux.encoders}' makes {latents * PATCH * PATCH} input channels "
@@ -70,7 +71,7 @@ def _check_encoders(cfg, args, folder: str) -> None:
                          f"release folder it came with")
 
 
-def draw(model, cfg, folder: str, prompt: str, seeds: list[int]) -> np.ndarray:
+def draw(model, cfg: FluxConfig, folder: str, prompt: str, seeds: list[int]) -> np.ndarray:
     """uint8 [len(seeds), h, w, 3] images of `prompt` from the model loaded from `folder`, one per noise seed, with
     cfg.flux's encoders, resolution and sampling settings."""
     _check_encoders(cfg, model.args, folder)

@@ -15,10 +15,10 @@ the last stage, fed the first stage's embeddings through the stages (model.carri
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from tessera.config import JobConfig
 from tessera.distributed import World
 from tessera.models.common.plan import NORMS, parallelize_decoder
 from tessera.models.deepseek.v3 import FAMILY
+from tessera.models.deepseek.v3.options import DeepSeekV3Config
 from tessera.parallel.cp import ContextParallelLookahead
 from tessera.parallel.tp import Replicated, attention_plan
 
@@ -38,7 +38,7 @@ def mtp_depth_tp_plan() -> dict:
             "eh_proj": SequenceParallel(use_local_output=True)}
 
 
-def parallelize(model: nn.Module, world: World, cfg: JobConfig) -> nn.Module:
+def parallelize(model: nn.Module, world: World, cfg: DeepSeekV3Config) -> nn.Module:
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     untrained = not cfg.deepseek_v3.mtp_loss_weight
     model = parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained,

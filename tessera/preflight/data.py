@@ -1,0 +1,69 @@
+"""What a run reads: the data plan, the dataset and its first documents, raw files' records, chat examples."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from tessera.config import ConfigError
+from tessera.preflight.draft import Draft
+from tessera.run_plan import DataPlan
+
+
+def plan(d: Draft) -> None:
+    """Resolves what validation finds of the data."""
+    from tessera.data import tokens
+
+    own, resume = d.family.own_data, d.resume
+    d.data = DataPlan(own=own, prepared=not own and tokens.wanted(d.cfg.training),
+                      resumes_position=resume is not None and resume.kind == "full"
+                      and "dataloader" not in d.cfg.checkpoint.exclude_from_loading)
+
+
+def dataset(d: Draft) -> None:
+    """The dataset, its first documents, and that tokenizer.json is whole: what would otherwise fail once ranks
+    run. (Whether the Hub answers is asked by each rank, when it opens the stream: a config can be checked offline.)
+    A family with its own data checks it in its own check."""
+    if d.data.own:
+        return
+    from tessera.data import sources, tokens
+
+    cfg, t = d.cfg, d.cfg.training
+    sources.check_dataset(t.dataset, t.dataset_path)
+    if t.dataset_mix or t.dataset == "tokenized":
+        tokens.check(cfg)  # each prepared folder whole, made by this run's tokenizer, big enough
+    elif t.dataset_path and not (os.path.exists(t.dataset_path) or glob.glob(t.dataset_path)):
+        raise ConfigError(f"training.dataset_path: nothing matches '{t.dataset_path}'")
+    elif tokens.wanted(t):
+        tokens.check(cfg)
+    sources.check_validation_path(cfg)
+    if cfg.model.hf_assets_path:
+        path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                json.load(fh)
+        except ValueError as e:  # a download cut short, or not JSON at all
+            raise ConfigError(f"model.hf_assets_path: {path} is not valid JSON ({e}); download it again") from None
+
+
+def files(d: Draft) -> None:
+    """Raw files (training.dataset = files, not prepared): a document to train on (and one held out, with
+    validation), and a sample of their records whose rate of bad ones would not pass training.max_bad_records over
+    the records this run reads (tessera/data/sample.py says how that is estimated). Chat or instruction data: its
+    examples."""
+    from tessera.data import sources
+    from tessera.data.sample import RunReads
+
+    cfg, t, dims = d.cfg, d.cfg.training, d.dims
+    if t.dataset_format != "text" and not d.data.own:
+        from tessera.data.examples import check_examples
+
+        return check_examples(cfg)
+    if t.dataset != "files" or d.data.prepared or d.data.own:
+        return
+    per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    held_out = cfg.validation.enable and not cfg.validation.dataset_path  # record 100, 200, ... of the files
+    reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
+                     validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp if held_out else 0)
+    sources.check_files(t.dataset_path, t.dataset_text_field, held_out, t.max_bad_records, reads)
