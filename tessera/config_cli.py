@@ -7,7 +7,7 @@ import sys
 
 from tessera.config import ConfigError
 from tessera.preflight import validate
-from tessera.schema import help_text, markdown_reference, parse_args
+from tessera.schema import help_text, markdown_reference, parse_run
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +46,7 @@ def _check(argv: list[str], world_size: int) -> int:
         print(help_text())
         return 0
     try:
-        validate(parse_args(argv), world_size, launch=True, training=True)
+        validate(parse_run(argv), world_size, launch=True, training=True)
     except ConfigError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2

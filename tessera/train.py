@@ -21,7 +21,7 @@ from tessera.optim import clip_grad_norm_
 from tessera.preflight import validate
 from tessera.profiling import dump_cuda_snapshot, profiled
 from tessera.report import write_report
-from tessera.schema import help_text, parse_args
+from tessera.schema import help_text, parse_run
 from tessera.step import forward_backward
 from tessera.stopping import REQUEUE_EXIT, SaveFailed, Stopped, StopRequest
 from tessera.tensors import local
@@ -326,7 +326,7 @@ def main(argv: list[str]) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))  # the pre-check may log (it reads checkpoints)
     try:
         one_process = "LOCAL_RANK" not in os.environ  # then it is the launch too
-        run = validate(parse_args(argv), world_size_from_env(), launch=one_process, training=True)
+        run = validate(parse_run(argv), world_size_from_env(), launch=one_process, training=True)
     except ConfigError as e:
         return _fail(e, 2)
     cfg = run.cfg

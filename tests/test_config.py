@@ -2,6 +2,7 @@
 TOML, the shipped configs, and the launch paths that check a config before any rank starts."""
 
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -508,3 +509,35 @@ def test_a_familys_config_type_names_the_section_the_schema_mounts():
     for view, section in ((DeepSeekV3Config, "deepseek_v3"), (FluxConfig, "flux")):
         assert view.__annotations__ == {section: fields[section].type}
         assert view.__bases__ == (Shared,) and issubclass(schema(), Shared)
+
+
+@pytest.mark.fast
+def test_another_familys_section_is_refused_on_the_command_line_and_named_from_a_shared_toml(tmp_path, capsys,
+                                                                                                caplog):
+    """A Llama 3 run reads no [deepseek_v3] section: a flag of it (even at its default, even by its old name) is
+    refused before launch in one line; a TOML shared across families keeps its sections, named in one warning
+    line. The family's own section is read as ever."""
+    from tessera import config_cli
+    from tessera.schema import parse_run
+
+    base = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run")]
+    assert config_cli.main([*base, "--deepseek_v3.mtp_loss_weight", "0.3"]) == 2
+    assert capsys.readouterr().err == ("tessera: deepseek_v3.mtp_loss_weight (on the command line): model.name is "
+                                       "'llama3', whose runs read no [deepseek_v3] section; drop the flag, or set "
+                                       "model.name\n")
+    assert config_cli.main([*base, "--flux.sample_freq=5"]) == 2 and "flux.sample_freq" in capsys.readouterr().err
+    assert config_cli.main([*base, "--training.mtp_loss_weight", "0"]) == 2  # moved there: the same section's
+    assert "tessera: deepseek_v3.mtp_loss_weight (on the command line)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    shared = tmp_path / "shared.toml"
+    shared.write_text('[model]\nname = "llama3"\nflavor = "tiny"\n\n[deepseek_v3]\nmtp_loss_weight = 0.1\n\n'
+                      '[flux]\nsample_freq = 5\n')
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        cfg = parse_run(["--job.config_file", str(shared)])
+    assert cfg.model.name == "llama3"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"deepseek_v3.mtp_loss_weight, flux.sample_freq (in {shared}): ignored, model.name is 'llama3'"]
+    own = parse_run(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--deepseek_v3.mtp_loss_weight",
+                     "0.1"])
+    assert own.deepseek_v3.mtp_loss_weight == 0.1

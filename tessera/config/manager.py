@@ -166,7 +166,7 @@ def _split_cli(argv: list[str], options, moved: Mapping[str, str]) -> list[tuple
 
 
 def parse_args(argv: list[str], schema: type = JobConfig, moved: Mapping[str, str] | None = None) -> JobConfig:
-    """defaults < --job.config_file TOML < CLI flags, into `schema` (tessera.preflight's has the families'
+    """defaults < --job.config_file TOML < CLI flags, into `schema` (tessera.schema's has the families'
     sections); `moved`: {old key: new key} of options that moved, read where they are now with one warning line."""
     cfg, moved = schema(), moved or {}
     options = _options(cfg)
@@ -237,7 +237,7 @@ def _valid_values(f) -> str:
 
 
 def markdown_reference(schema: type = JobConfig) -> str:
-    """Every section and option of `schema` (tessera.preflight's has the families' sections) with its type, default,
+    """Every section and option of `schema` (tessera.schema's has the families' sections) with its type, default,
     valid values and doc: docs/config-reference.md."""
     sections = _sections(schema)
     lines = ["# Configuration reference", "",
