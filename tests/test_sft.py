@@ -122,6 +122,29 @@ def test_bad_chat_records_are_counted_with_file_and_line(tmp_path):
     assert bad.examples == [f"{tool}:1: unknown role tool"]
 
 
+@pytest.mark.fast
+def test_mostly_bad_chat_data_is_refused_before_launch_and_a_few_bad_records_pass(tmp_path, capsys):
+    """The launch check samples the records of the files the run reads, file after file, not only their first
+    example: a second file whose records are mostly unreadable would stop the run at training.max_bad_records, so
+    it is refused before any rank starts, in one line naming it. Within a limit the data meets, it runs."""
+    from tessera import config_cli
+
+    good, data = {"messages": CONVERSATIONS[0]}, tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", [good] * 40)  # whole: the first example was all that was checked
+    write_jsonl(data / "b.jsonl", [good if i % 5 == 0 else {"text": "no messages"} for i in range(200)])
+    argv = ["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "files",
+            "--training.dataset_path", str(data), "--training.dataset_format", "chat", "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--training.steps", "100", "--training.max_bad_records"]
+    assert config_cli.main([*argv, "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tessera: training.max_bad_records: 160 of the first 200 records of {data / 'b.jsonl'} "
+                          f"are bad; at that rate about 160 of the ~240 records this run reads would be, more than "
+                          f"10; the first: {data / 'b.jsonl'}:2: no field 'messages'"), err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+    assert config_cli.main([*argv, "200"]) == 0 and capsys.readouterr().err == ""
+
+
 def chat_file(path, n: int = 300, seed: int = 0):
     """Conversations of random lengths: some windows hold many trained tokens, some none."""
     rng = random.Random(seed)

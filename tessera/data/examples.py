@@ -18,6 +18,7 @@ import numpy as np
 from tessera.data import chat
 from tessera.data.masks import untrained
 from tessera.data.records import BadRecords, DataError, json_object, json_records
+from tessera.data.sample import SAMPLE_RECORDS, FileSample, RunReads, over_limit
 from tessera.data.sources import _FILES_HOLDOUT_MOD, WHOLE, _resolve_files, check_dataset, check_split, hub_rows
 from tessera.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -181,9 +182,30 @@ def example_loader_parts(t, hf_assets_path: str, tokenizer: Tokenizer, path: str
     return docs, functools.partial(encode_examples, tokenizer)
 
 
-def check_examples(cfg) -> None:
+def sample_examples(fmt: ExampleFormat, file: Path, n: int = SAMPLE_RECORDS) -> FileSample:
+    """The first `n` records of a chat or prompt-completion file, as tessera.data.sample reads text files: its
+    examples in place of documents, the UTF-8 bytes of their rendered text (no tokenizer makes more tokens). Its
+    records are counted up to the sample's end only (a lower bound: never a refusal the file would not earn)."""
+    bad, records, examples_, text_bytes, bad_so_far = BadRecords(-1, quiet=True), 0, 0, 0, []
+    for row, where in itertools.islice(file_rows(file, bad, fmt.fields()), n):
+        rendered = _examples_of(fmt, row, file, where, bad)
+        records, examples_ = records + 1, examples_ + len(rendered)
+        text_bytes += sum(len(r.text.encode("utf-8")) for r in rendered)
+        bad_so_far.append(bad.count)
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq  # deferred: pyarrow is only needed for parquet inputs
+
+        total = pq.ParquetFile(file).metadata.num_rows
+    else:
+        total = records
+    return FileSample(file, records, examples_, text_bytes, bad, total, bad_so_far)
+
+
+def check_examples(cfg, reads: RunReads | None = None) -> None:
     """Before launch: chat or prompt-completion data a run can read: a template that compiles, not the text-only
-    built-in corpus, and local files holding an example to train (and one held out, with validation)."""
+    built-in corpus, and local files holding an example to train (and one held out, with validation); with
+    `reads`, a sample of their records (the first of each file, file after file) whose rate of bad ones would not
+    pass training.max_bad_records over the records the run reads (tessera/data/sample.py)."""
     from tessera.data import tokens  # the prepared-data side, checked by its own check
 
     t = cfg.training
@@ -200,6 +222,9 @@ def check_examples(cfg) -> None:
                 if read == "validation" else "add data"
             raise DataError(f"{key}: no {t.dataset_format} example in the {read} split of {path!r} "
                             f"({fmt.fields()} per record){why}; {fix}")
+    if reads is not None:
+        over_limit(_resolve_files(t.dataset_path), lambda file: sample_examples(fmt, file), t.max_bad_records, reads,
+                   lambda worst: f"fix or remove those records ({fmt.fields()} each)")
 
 
 def read_from(cfg, split: str) -> tuple[str, str, str]:

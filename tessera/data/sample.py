@@ -109,11 +109,18 @@ def records_read(sampled: list[FileSample], reads: RunReads) -> float:
 def check_bad_rate(files: list[Path], text_field: str, limit: int, reads: RunReads) -> None:
     """Refuse, before launch, data whose sampled rate of bad records would pass `limit` over the records this run
     reads (see the module's docstring); names the file with the most and the first few bad records."""
+    over_limit(files, lambda file: sample_file(file, text_field), limit, reads,
+               lambda worst: how_to_fix(worst.bad.reasons[0], text_field))
+
+
+def over_limit(files: list[Path], sample, limit: int, reads: RunReads, fix) -> None:
+    """The refusal of check_bad_rate for records of any kind: `sample(file)` gives a file's FileSample (its
+    documents: the records that give something to train on), `fix(worst sample)` what to do about them."""
     if limit == -1:
         return
     sampled: list[FileSample] = []
     for file in files[:SAMPLE_FILES]:
-        sampled.append(sample_file(file, text_field))
+        sampled.append(sample(file))
         if sum(s.total for s in sampled) >= records_read(sampled, reads):
             break
     left = read = min(records_read(sampled, reads), sum(s.total for s in sampled))
@@ -128,5 +135,4 @@ def check_bad_rate(files: list[Path], text_field: str, limit: int, reads: RunRea
     raise DataError(f"training.max_bad_records: {worst.bad.count} of the first {worst.records} records of "
                     f"{worst.file} are bad; at that rate about {math.ceil(sum(expected.values()))} of the ~{read:.0f} "
                     f"records this run reads would be, more than {limit}; the first: {'; '.join(examples)}; "
-                    f"{how_to_fix(worst.bad.reasons[0], text_field)}, or raise training.max_bad_records (-1: no "
-                    f"limit)")
+                    f"{fix(worst)}, or raise training.max_bad_records (-1: no limit)")

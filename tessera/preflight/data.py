@@ -56,14 +56,14 @@ def files(d: Draft) -> None:
     from tessera.data.sample import RunReads
 
     cfg, t, dims = d.cfg, d.cfg.training, d.dims
-    if t.dataset_format != "text" and not d.data.own:
-        from tessera.data.examples import check_examples
-
-        return check_examples(cfg)
-    if t.dataset != "files" or d.data.prepared or d.data.own:
-        return
     per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     held_out = cfg.validation.enable and not cfg.validation.dataset_path  # record 100, 200, ... of the files
     reads = RunReads(train_samples=t.steps * per_step, window=t.seq_len + 1, streams=t.data_streams,
                      validation_samples=cfg.validation.steps * t.local_batch_size * dims.dp if held_out else 0)
+    if t.dataset_format != "text" and not d.data.own:
+        from tessera.data.examples import check_examples
+
+        return check_examples(cfg, reads if t.dataset == "files" and not d.data.prepared else None)
+    if t.dataset != "files" or d.data.prepared or d.data.own:
+        return
     sources.check_files(t.dataset_path, t.dataset_text_field, held_out, t.max_bad_records, reads)
