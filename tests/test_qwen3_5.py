@@ -211,6 +211,24 @@ def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path,
     assert_round_trip(theirs, ours, args, cls, tmp_path / "in", tmp_path)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("key, value", [("attn_output_gate", False), ("mlp_only_layers", [1])])
+def test_config_keys_the_hybrid_does_not_compute_are_refused_in_one_line(tmp_path, key, value):
+    """A config.json with attention's output ungated, or dense MLPs in some blocks of the MoE, would be imported
+    as something else: refused naming the key; the values releases carry (true, []) load."""
+    config = dict(model_type="qwen3_5_moe_text", hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=97, num_experts=6, num_experts_per_tok=2,
+                  moe_intermediate_size=24, shared_expert_intermediate_size=40, attn_output_gate=True,
+                  mlp_only_layers=[])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf_args(MOE.name, str(tmp_path)).n_layers == 3
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=rf"config.json: {key} = {re.escape(repr(value))}: Tessera's qwen3_5_moe "
+                                         r"computes hidden_act = 'silu', attention_bias = False, "
+                                         r"attn_output_gate = True, mlp_only_layers = \[\] and RoPE default only"):
+        hf_args(MOE.name, str(tmp_path))
+
+
 @pytest.mark.parametrize("fam", [DENSE, MOE], ids=["dense", "moe"])
 def test_a_multimodal_release_loads_its_text_model(tmp_path, fam, caplog):
     """A ...ForConditionalGeneration folder: the text model under model.language_model., its config in

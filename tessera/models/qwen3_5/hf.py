@@ -149,7 +149,10 @@ def layer_types(config: dict, n_layers: int) -> list[str]:
 def common_args(config: dict, family: str, model_type: str) -> dict:
     """The fields of Qwen35Args a `Qwen3_5(Moe)TextConfig` gives; what Tessera would not compute the same way
     (biases, another activation, a scaled RoPE) is refused."""
-    shared.refuse_unsupported(config, family, model_type, {"hidden_act": "silu", "attention_bias": False},
+    # Released configs of the Qwen 3-Next lineage also say attn_output_gate and mlp_only_layers: the hybrid here
+    # always gates attention's output, and puts the family's FFN in every block.
+    shared.refuse_unsupported(config, family, model_type, {"hidden_act": "silu", "attention_bias": False,
+                                                           "attn_output_gate": True, "mlp_only_layers": []},
                               ("default",))
     dim, n_heads, kv_heads, head_dim = shared.heads({"head_dim": 256, **config})
     n_layers = shared.positive_int(config, "num_hidden_layers")
