@@ -15,6 +15,7 @@ from tessera.preflight.draft import Draft
 from tessera.run_plan import ResolvedRun, batch_of
 
 CHECKS = (
+    options.replica_group,  # resolves draft.cfg: under fault tolerance, this replica group's folders
     options.model,
     options.family,  # resolves draft.family
     options.folders,
@@ -53,7 +54,7 @@ def validate(cfg, world_size: int, launch: bool = False, training: bool = False)
     before ranks start, which also reads the checkpoint a run starts from against its checksums and asks the
     lighthouse about the live groups. `training`: for a run that will save (its launch check and its ranks), not a
     plan or an estimate of it."""
-    draft = Draft(cfg=ft_check.place_group(cfg), world_size=world_size, launch=launch, training=training)
+    draft = Draft(cfg=cfg, world_size=world_size, launch=launch, training=training)
     for check in CHECKS:
         check(draft)
     return ResolvedRun(cfg=draft.cfg, family=draft.family, args=draft.args, dims=draft.dims, resume=draft.resume,

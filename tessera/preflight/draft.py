@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Draft:
-    cfg: JobConfig  # as the run runs it (this replica group's folders under fault tolerance)
+    cfg: JobConfig  # as given, then as the run runs it (replica_group: this group's folders under fault tolerance)
     world_size: int
     launch: bool  # the check before ranks start (see validate)
     training: bool  # a run that will save, not a plan or an estimate of it

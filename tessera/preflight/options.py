@@ -22,6 +22,12 @@ from tessera.models import family as family_of
 from tessera.preflight.draft import Draft
 
 
+def replica_group(d: Draft) -> None:
+    """Resolves the config as this replica group runs it (fault tolerance: its own folder, the checkpoints shared;
+    the config given is left as it is)."""
+    d.cfg = ft_check.place_group(d.cfg)
+
+
 def model(d: Draft) -> None:
     architecture.check_model(d.cfg)
 
