@@ -140,11 +140,11 @@ def serve(queue: Path) -> None:
             module, name = target.split(":")
             fn = getattr(importlib.import_module(module), name)
             results = [fn(case, steps) for case in cases]
+            release_groups()  # inside: a failure here is reported like the job's own
         except BaseException:
             (queue / f"error-{k}-{rank}.txt").write_text(traceback.format_exc())
             sys.stderr.flush()
             os._exit(1)  # start_ranks ends the other ranks, which may wait in a collective
-        release_groups()
         if rank == 0:
             torch.save(results, queue / f"result-{k}.tmp")
             os.replace(queue / f"result-{k}.tmp", queue / f"result-{k}.pt")
