@@ -74,6 +74,8 @@ class RankPool:
     def __init__(self, nproc: int):
         self.nproc, self.jobs = nproc, 0
         self.queue = Path(tempfile.mkdtemp(prefix=f"tessera-ranks{nproc}-"))
+        for rank in range(nproc):  # each rank's wake-up pipe (tests/dist_worker.py's serve)
+            os.mkfifo(self.queue / f"wake-{rank}")
         self.log = open(self.queue / "ranks.log", "w")
         cmd = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(self.queue), str(nproc)]
         self.proc = subprocess.Popen(cmd, env=_RANK_ENV, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
@@ -82,6 +84,7 @@ class RankPool:
     def run(self, target: str, cases: list, steps: int, timeout: float) -> list:
         k, self.jobs = self.jobs, self.jobs + 1
         torch_save((target, cases, steps), self.queue / f"job-{k}.pt")
+        self.wake()
         result, deadline = self.queue / f"result-{k}.pt", time.monotonic() + timeout
         while not result.exists():
             errors = sorted(self.queue.glob(f"error-{k}-*.txt"))
@@ -97,6 +100,17 @@ class RankPool:
 
         return torch.load(result)
 
+    def wake(self) -> None:
+        """A byte to each rank waiting for a job or the stop. A rank that has not opened its pipe yet (still
+        starting) looks for the job file before it waits."""
+        for rank in range(self.nproc):
+            try:
+                fd = os.open(self.queue / f"wake-{rank}", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                continue
+            os.write(fd, b".")
+            os.close(fd)
+
     def log_tail(self, chars: int = 5000) -> str:
         return (self.queue / "ranks.log").read_text()[-chars:]
 
@@ -104,6 +118,7 @@ class RankPool:
         if self.log.closed:
             return
         (self.queue / "stop").touch()
+        self.wake()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
