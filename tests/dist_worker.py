@@ -146,10 +146,22 @@ def serve(queue: Path) -> None:
         except BaseException:
             (queue / f"error-{k}-{rank}.txt").write_text(traceback.format_exc())
             sys.stderr.flush()
+            _tell(queue)
             os._exit(1)  # start_ranks ends the other ranks, which may wait in a collective
         if rank == 0:
             torch.save(results, queue / f"result-{k}.tmp")
             os.replace(queue / f"result-{k}.tmp", queue / f"result-{k}.pt")
+            _tell(queue)
+
+
+def _tell(queue: Path) -> None:
+    """A byte on the pool's `done` pipe, which the test waiting for the job reads (tests/launch.py RankPool.run)."""
+    try:
+        fd = os.open(queue / "done", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: the pool was closed (a timeout): nobody waits
+        return
+    os.write(fd, b".")
+    os.close(fd)
 
 
 def release_groups() -> None:
@@ -181,6 +193,9 @@ def start_ranks(queue: Path, nproc: int) -> int:
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # What the imports made lives as long as the ranks: kept out of every collection, a rank's gc.collect (two a job,
+    # release_groups) scans what its jobs made, 1 ms instead of 130.
+    gc.freeze()
     ranks = []
     for rank in range(nproc):
         pid = os.fork()

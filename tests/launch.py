@@ -3,6 +3,7 @@ and read back what it computed."""
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,8 @@ class RankPool:
         self.queue = Path(tempfile.mkdtemp(prefix=f"tessera-ranks{nproc}-"))
         for rank in range(nproc):  # each rank's wake-up pipe (tests/dist_worker.py's serve)
             os.mkfifo(self.queue / f"wake-{rank}")
+        os.mkfifo(self.queue / "done")  # the ranks say a job ended (a result, or an error)
+        self.done = os.open(self.queue / "done", os.O_RDWR | os.O_NONBLOCK)
         self.log = open(self.queue / "ranks.log", "w")
         cmd = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(self.queue), str(nproc)]
         self.proc = subprocess.Popen(cmd, env=_RANK_ENV, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
@@ -95,7 +98,8 @@ class RankPool:
                 why = f"{self.nproc} ranks, {target}: {why}\n{self.log_tail()}"
                 self.close()
                 raise AssertionError(why)
-            time.sleep(0.02)
+            if select.select([self.done], [], [], 1.0)[0]:  # a rank's word, or a look every second
+                os.read(self.done, 4096)
         import torch
 
         return torch.load(result)
@@ -119,6 +123,7 @@ class RankPool:
             return
         (self.queue / "stop").touch()
         self.wake()
+        os.close(self.done)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
