@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from tessera import architecture, models
+from tessera import architecture
 from tessera.config import ConfigError
 from tessera.data.encoded import write_split
 from tessera.schema import parse_args
@@ -23,11 +23,12 @@ from tessera.schema import parse_args
 def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
-        encode = models.family(cfg.model.name).spec().encode
+        fam = architecture.check_model(cfg)
+        encode = fam.spec().encode
         if encode is None:
             raise ConfigError(f"model.name: {cfg.model.name} has no frozen encoders whose outputs could be cached; "
                               f"it trains from its data as it is")
-        args = architecture.resolve(cfg, None, None)
+        args = architecture.resolve(architecture.request(fam, cfg), None, None)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
             encoded = encode(cfg, args, device)

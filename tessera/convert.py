@@ -46,13 +46,12 @@ def _config(src: Path | None, opts: argparse.Namespace):
         if getattr(opts, key) is not None:
             argv += [f"--{key}", getattr(opts, key)]
     cfg = parse_args(argv)
-    architecture.check_model(cfg)
-    return cfg
+    return cfg, architecture.check_model(cfg)
 
 
-def _build(cfg, args):
+def _build(fam, args):
     with torch.device("meta"):
-        model = models.family(cfg.model.name).spec().model(args)
+        model = fam.spec().model(args)
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
     return model
@@ -68,13 +67,13 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
     if not (src / ".metadata").is_file():
         raise HFError(f"'{src}' is not a DCP checkpoint (no .metadata)")
     _refuse_damaged(src)
-    cfg = _config(src, opts)
+    cfg, fam = _config(src, opts)
     saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    embedding = f"model.{models.family(cfg.model.name).embedding}"
+    embedding = f"model.{fam.embedding}"
     if embedding not in saved:
         raise HFError(f"'{src}' holds no {embedding}: not a Tessera {cfg.model.name} checkpoint")
-    args = architecture.resolve(cfg, saved[embedding].size[0], str(src))
-    model = _build(cfg, args)
+    args = architecture.resolve(architecture.request(fam, cfg), saved[embedding].size[0], str(src))
+    model = _build(fam, args)
     state = model.state_dict()
     for name, value in state.items():
         if f"model.{name}" not in saved:
@@ -92,19 +91,19 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
 def hf_to_dcp(src: Path, dst: Path, opts) -> None:
     if not src.is_dir():
         raise HFError(f"no such folder '{src}'")
-    cfg = _config(None, opts)
+    cfg, fam = _config(None, opts)
     hf_folder(src)
     _refuse_damaged(src)
     try:
         args = dataclasses.replace(models.hf_args(cfg.model.name, str(src)), max_seq_len=cfg.training.seq_len)
     except ValueError as e:
         raise HFError(str(e)) from None
-    asked = architecture.asked_args(cfg, args.vocab_size)
+    asked = architecture.asked_args(architecture.request(fam, cfg), args.vocab_size)
     diffs = models.arch_differences(args, asked, ("config.json", "flavor")) if asked is not None else []
     if diffs:
         raise ConfigError(f"model.flavor: '{cfg.model.flavor}' and {src / 'config.json'} differ in {len(diffs)} "
                           f"field(s): {'; '.join(diffs)}; leave --model.flavor out to convert config.json's model")
-    model = _build(cfg, args)
+    model = _build(fam, args)
     load_hf(model, src, family=cfg.model.name)
     state = model.state_dict()
     if opts.dtype is not None:

@@ -21,7 +21,7 @@ import json
 import sys
 from types import SimpleNamespace
 
-from tessera import architecture, models
+from tessera import architecture
 from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
@@ -194,8 +194,9 @@ def plan(base: JobConfig, gpus: int, memory_gib: float, top: int, max_estimates:
 def sizes(cfg: JobConfig) -> tuple[object, object]:
     """(args, counts) of the model the search lays out: its flavor's, with the config's seq_len (every layout
     validates to the same)."""
-    args = architecture.resolve(cfg, None, None)
-    return args, models.family(cfg.model.name).counts(args, cfg.training.seq_len)
+    fam = architecture.check_model(cfg)
+    args = architecture.resolve(architecture.request(fam, cfg), None, None)
+    return args, fam.counts(args, cfg.training.seq_len)
 
 
 def floor(cfg: JobConfig, dims, args, counts) -> int:

@@ -48,11 +48,13 @@ def batch_of(cfg: JobConfig, dims: ParallelDims, groups: int) -> Batch:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """The checkpoint a run resumes from, as the pre-check found it (the ranks look again, checking its content,
-    and may skip a damaged one)."""
+    """The checkpoint a run resumes from, as the pre-check found it (the ranks check its content, unless
+    `content_checked`, and skip it for an older one if it is damaged: tessera.checkpoint.manager.confirm_resume)."""
     step: int
     path: str
     kind: str | None  # the marker's: "full" (model, optimizer, data position...) or "model" (weights only)
+    content_checked: bool = False  # its files read against their checksums by this process's pre-check (the
+    # launch check of a one-process run); the ranks' own pre-checks read sizes only
 
 
 @dataclass(frozen=True)
@@ -74,4 +76,6 @@ class ResolvedRun:
     dims: ParallelDims
     batch: Batch
     resume: ResumePoint | None
+    damaged: tuple  # the complete checkpoints the pre-check skipped as damaged (tessera.checkpoint.folder.Damaged
+    # each), which the ranks set aside
     data: DataPlan

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import experts
-from tessera.checkpoint.manager import Checkpointer, find_resume, probe_writable, write_run_record
+from tessera.checkpoint.manager import Checkpointer, confirm_resume, probe_writable, write_run_record
 from tessera.checkpoint.run_state import Progress, Saved
 from tessera.config import JobConfig
 from tessera.data import build_dataloader, build_tokenizer
@@ -261,7 +261,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     damaged: set[str] = set()
-    resume = find_resume(cfg, damaged)  # its content checked: a damaged one is skipped for an older one
+    resume = confirm_resume(cfg, run.resume, run.damaged, damaged)  # a damaged one is skipped for an older one
     args, spec = run.args, fam.spec()
     own = spec.training  # a family's own data, batches, loss and evaluation; None: tokens
     grad_accum = run.batch.accumulation

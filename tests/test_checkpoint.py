@@ -291,6 +291,32 @@ def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skippe
         f"skipping checkpoint step 0 ({seed}/checkpoint/step-0/__0_0.distcp changed after it was written")
 
 
+def test_ranks_resume_the_planned_checkpoint_and_one_process_reads_it_once(tmp_path, monkeypatch):
+    """The ranks load the checkpoint their pre-check planned (validate's `resume`), not one they choose again; a
+    one-process run, whose pre-check has read that checkpoint whole against its checksums, does not read it again."""
+    from tessera.checkpoint import folder
+    from tessera.checkpoint.manager import confirm_resume
+    from tessera.preflight import validate
+    from tessera.train import main
+
+    dump = tmp_path / "run"
+    run_train(["--job.dump_folder", str(dump), *CKPT], 4)
+    reads, digest = [], folder.digest_file
+    monkeypatch.setattr(folder, "digest_file", lambda file: reads.append(file) or digest(file))
+    assert main([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "5"]) == 0
+    step4 = [file for file in reads if "/step-4/" in file]
+    assert step4 and sorted(step4) == sorted(set(step4)), step4  # each file once
+    run = validate(parse_args([*BASE, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "8"]), 1,
+                   training=True)  # a rank's pre-check: by sizes
+    assert (run.resume.step, run.resume.content_checked) == (5, False)
+    shutil.copytree(dump / "checkpoint/step-5", dump / "checkpoint/step-6")  # appears after the plan
+    damaged: set[str] = set()
+    assert confirm_resume(run.cfg, run.resume, run.damaged, damaged)[0] == 5 and not damaged
+    _flip_middle(dump / "checkpoint/step-5/__0_0.distcp")  # damaged since the plan: the content check finds it
+    assert confirm_resume(run.cfg, run.resume, run.damaged, damaged)[0] == 6  # an intact one, looked up again
+    assert damaged == {str(dump / "checkpoint/step-5")}
+
+
 def test_each_run_says_each_skip_once(tmp_path, skipped):
     """What a run has warned is the run's, not the process's: a run's repeated look-ups (a content check that
     fails sends it back to the folders) say each skip once, and the next run in the same process says them again."""

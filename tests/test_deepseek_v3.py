@@ -124,8 +124,12 @@ def test_a_run_training_mtp_starts_the_missing_depth_fresh_and_a_partial_depth_i
     theirs = _theirs(tmp_path / "in", num_mtp_layers=1, **_CONFIGS["plain_q_halves"])
     run = ["--model.name", "deepseek_v3", "--model.flavor=", "--checkpoint.initial_load_in_hf",
            "--checkpoint.initial_load_path", str(tmp_path / "in"), "--training.seq_len", "32"]
-    assert architecture.resolve(parse_args([*run, "--training.mtp_loss_weight", "0"]), None, None).n_mtp == 0
-    args = architecture.resolve(parse_args(run), None, None)
+
+    def resolve(argv):
+        return architecture.resolve(architecture.request(DSV3, parse_args(argv)), None, None)
+
+    assert resolve([*run, "--training.mtp_loss_weight", "0"]).n_mtp == 0
+    args = resolve(run)
     assert args.n_mtp == 1
     with torch.device("meta"):
         model = DSV3.spec().model(args)

@@ -15,7 +15,7 @@ from tessera.config import ConfigError
 from tessera.estimate.__main__ import HEADROOM
 from tessera.estimate.core import estimate
 from tessera.estimate.cost import Cluster, routed_params, step_time
-from tessera.plan import floor
+from tessera.plan import floor, sizes
 from tessera.preflight import validate
 from tessera.schema import parse_args
 from tests.dist_worker import BASE
@@ -126,20 +126,13 @@ def test_shipped_config_fits_the_gpus_it_is_meant_for(name, tmp_path):
     cfg = parse_args(["--job.config_file", str(ROOT / "configs" / name), "--model.hf_assets_path", ""])
     peak = estimate(cfg, world, "cuda").peak
     assert peak <= HEADROOM * 80 * GIB, f"{name}: {peak / GIB:.1f} GiB"
-    least = floor(cfg, validate(cfg, world).dims, *_sizes(cfg))  # what plan rules layouts out by, before estimating
+    least = floor(cfg, validate(cfg, world).dims, *sizes(cfg))  # what plan rules layouts out by, before estimating
     assert least <= peak, f"{name}: floor {least / GIB:.1f} GiB above the estimate's {peak / GIB:.1f}"
-
-
-def _sizes(cfg) -> tuple:
-    from tessera import architecture, models
-
-    args = architecture.resolve(cfg, None, None)
-    return args, models.family(cfg.model.name).counts(args, cfg.training.seq_len)
 
 
 def _time(flags: list[str], world: int):
     cfg = parse_args(flags)
-    return step_time(cfg, validate(cfg, world).dims, *_sizes(cfg), 1, Cluster())
+    return step_time(cfg, validate(cfg, world).dims, *sizes(cfg), 1, Cluster())
 
 
 def test_time_model_shards_experts_and_dense_parameters_apart():
@@ -152,7 +145,7 @@ def test_time_model_shards_experts_and_dense_parameters_apart():
             "--parallelism.data_parallel_shard_degree", "64"]
     ep8, ep64 = (_time([*base, "--parallelism.expert_parallel_degree", str(ep)], 64) for ep in (8, 64))
     assert ep64.seconds < 0.8 * ep8.seconds and ep64.compute == ep8.compute
-    routed = routed_params(*_sizes(parse_args(base)))
+    routed = routed_params(*sizes(parse_args(base)))
     assert 0.95 < routed / 113.2e9 < 1.05  # 36 layers x 128 experts x 3 x 2880 x 2880 (and biases)
     dense = _time(["--model.flavor", "8B", "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree",
                    "64"], 64)
@@ -188,7 +181,7 @@ def test_time_model_and_plan_take_the_cp_method_that_sends_less():
     from tessera.plan import candidates
 
     base = parse_args(["--model.flavor", "8B", "--training.seq_len", "65536"])
-    args, _ = _sizes(base)
+    args, _ = sizes(base)
 
     def dims(cp, tp=1):
         return SimpleNamespace(cp=cp, tp=tp)
@@ -231,7 +224,7 @@ def test_planned_floor_rules_out_before_ranking():
     base = parse_args(["--model.flavor", "405B", "--training.seq_len", "8192"])
     small = configure(base, Candidate(tp=8, pp=1, cp=1, ep=1, replicate=1, shard=8, schedule="1F1B", ac="full",
                                       local_batch=1, accumulation=1))  # FSDP 8 x TP 8 on 64 GPUs
-    assert floor(small, validate(small, 64).dims, *_sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
+    assert floor(small, validate(small, 64).dims, *sizes(small)) > 90 * GIB  # 16 B x 405.9B / 64 = 94.5 GiB and more
 
 
 def test_selective_op_ac_traces_with_experts_sharded_apart_under_pp(tmp_path):
@@ -311,7 +304,7 @@ def test_shipped_layout_is_the_one_plan_ranks_best(name):
     world, path = SHIPPED[name], ROOT / "configs" / name
     cfg = parse_args(["--job.config_file", str(path), "--model.hf_assets_path", ""])
     run = validate(cfg, world)
-    shipped = step_time(cfg, run.dims, *_sizes(cfg), run.batch.accumulation, Cluster()).tokens_per_s
+    shipped = step_time(cfg, run.dims, *sizes(cfg), run.batch.accumulation, Cluster()).tokens_per_s
     with quiet():
         found, runs = plan(cfg, world, 80.0, 1, 40, Cluster(), run.batch.global_sequences)
     assert found, f"{name}: plan found no layout in {runs} estimates"

@@ -11,22 +11,23 @@ import glob
 import json
 import os
 
-from tessera.checkpoint.folder import all_damaged, damage, resume_point
+from tessera.checkpoint.folder import Damaged, all_damaged, damage, resume_point
 from tessera.config import ConfigError
 
 
-def launch_resume_point(cfg, launch: bool) -> tuple[int, str, dict] | None:
-    """(step, path, marker) the run would resume from, quietly (the ranks say what they skip); ConfigError for a
-    `load_step` missing or damaged, or every checkpoint damaged (unless checkpoint.start_fresh_if_all_damaged).
-    `launch`: check the files' checksums, not only their sizes."""
+def launch_resume_point(cfg, launch: bool) -> tuple[tuple[int, str, dict] | None, list[Damaged]]:
+    """(step, path, marker) the run would resume from, and the complete checkpoints skipped as damaged (each skip
+    said by rank 0; run_train.sh's launch check shows errors only); ConfigError for a `load_step` missing or
+    damaged, or every checkpoint damaged (unless checkpoint.start_fresh_if_all_damaged). `launch`: check the files'
+    checksums, not only their sizes."""
     root, damaged = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), []
     try:
-        found = resume_point(root, cfg.checkpoint.load_step, content=launch, report=False, damaged=damaged)
+        found = resume_point(root, cfg.checkpoint.load_step, content=launch, damaged=damaged)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if (refusal := all_damaged(root, found, damaged)) and not cfg.checkpoint.start_fresh_if_all_damaged:
         raise ConfigError(refusal)
-    return found
+    return found, damaged
 
 
 def check_initial_load(cfg, launch: bool) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Collection
 from concurrent.futures import Future
 
 import torch
@@ -33,6 +34,7 @@ from tessera.checkpoint.folder import (
     CorruptCheckpoint,
     Damaged,
     all_damaged,
+    no_marker,
     read_marker,
     read_saved_config,
     resume_point,
@@ -53,6 +55,7 @@ from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
 from tessera.models import args_to_json, family
 from tessera.optim import settings_changed
+from tessera.run_plan import ResumePoint
 
 log = logging.getLogger("tessera")
 __all__ = ["MARKER", "Checkpointer", "CorruptCheckpoint", "Progress", "Saved", "read_marker", "step_folders", "verify",
@@ -133,15 +136,53 @@ def verify_shared(path: str, marker: dict) -> str | None:
     return problem
 
 
-def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool = True) -> tuple[int, str, dict] | None:
+def confirm_resume(cfg: JobConfig, planned: ResumePoint | None, known: Collection[Damaged],
+                   damaged: set[str]) -> tuple[int, str, dict] | None:
+    """The checkpoint the pre-check planned to resume (validate's `resume`), as (step, path, marker), its content
+    checked: by the ranks, each a share, unless this process's pre-check has just read it whole (a one-process run).
+    Found damaged (a bare torchrun's pre-check reads sizes only, or it was damaged since), it is skipped for an older
+    one as `find_resume` finds it, or refused when checkpoint.load_step names it. `known`: the ones the pre-check
+    skipped as damaged (and said so; not looked at again); `damaged` gets every damaged path (set aside later)."""
+    damaged.update(d.path for d in known)
+    if planned is None:
+        return None
+    if dist.is_initialized():  # each rank planned on its own: they load one checkpoint or none
+        planned_by = [None] * dist.get_world_size()
+        dist.all_gather_object(planned_by, planned.path)
+        if len(set(planned_by)) > 1:
+            raise ConfigError(f"job.dump_folder: the ranks found different checkpoints to resume ("
+                              f"{', '.join(sorted(set(planned_by)))}): is another job saving into it? Relaunch "
+                              f"once it has stopped, or pick another job.dump_folder")
+    marker = read_marker(planned.path)
+    if marker is None:
+        problem = no_marker(planned.path)
+    else:
+        problem = None if planned.content_checked else verify_shared(planned.path, marker)
+    if problem is None:
+        if DIGEST not in marker and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.info(f"checkpoint step {planned.step} records no checksums (written before they existed): its files "
+                     f"were checked by size only")
+        return planned.step, planned.path, marker
+    if cfg.checkpoint.load_step >= 0:
+        raise ConfigError(f"checkpoint.load_step: step {planned.step} at {planned.path} is not usable: {problem}")
+    warn_once(skip_message(planned.step, problem), set())
+    damaged.add(planned.path)
+    return find_resume(cfg, damaged, known=[*known, Damaged(planned.step, planned.path, planned.kind, problem)])
+
+
+def find_resume(cfg: JobConfig, damaged: set[str] | None = None, content: bool = True,
+                known: Collection[Damaged] = ()) -> tuple[int, str, dict] | None:
     """The checkpoint this run starts from, as rank 0 finds it (every rank gets the same answer), its content
     checked (unless not `content`: its sizes only, for a look at its architecture): a damaged one is skipped with
-    one warning naming the file (an explicit load_step is refused), and its path added to `damaged`."""
+    one warning naming the file (an explicit load_step is refused), and its path added to `damaged`. `known`: the
+    complete checkpoints already found damaged (not looked at again; the refusal of a folder with none intact
+    counts them)."""
     if not cfg.checkpoint.enable:
         return None
-    root, load_step, skipped = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step, []
+    root, load_step = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.checkpoint.load_step
+    skipped = [d.step for d in known]
     warned: set[str] = set()  # this run's: each look-up below re-reads the folders, each skip is said once
-    broken: dict[int, Damaged] = {}  # the complete checkpoints found damaged, by step
+    broken: dict[int, Damaged] = {d.step: d for d in known}  # the complete checkpoints found damaged, by step
 
     def look():
         found_damaged: list[Damaged] = []
@@ -393,7 +434,7 @@ class Checkpointer:
             for path in sorted(self.damaged):
                 self._set_aside(path)
         if resume is not None:
-            step, path, marker = resume  # content-checked by find_resume
+            step, path, marker = resume  # content-checked by confirm_resume
             self.verified.add(path)
             full = marker["kind"] == "full"
             self._load(path, model_only=not full)

@@ -16,8 +16,7 @@ from tessera.run_plan import ResolvedRun, batch_of
 
 CHECKS = (
     options.replica_group,  # resolves draft.cfg: under fault tolerance, this replica group's folders
-    options.model,
-    options.family,  # resolves draft.family
+    options.model,  # resolves draft.family
     options.folders,
     options.initial_load_path,
     resume.resume_point,  # resolves draft.resume and draft.args (the tokenizer's vocabulary not yet in)
@@ -58,4 +57,5 @@ def validate(cfg, world_size: int, launch: bool = False, training: bool = False)
     for check in CHECKS:
         check(draft)
     return ResolvedRun(cfg=draft.cfg, family=draft.family, args=draft.args, dims=draft.dims, resume=draft.resume,
+                       damaged=draft.damaged,
                        batch=batch_of(draft.cfg, draft.dims, ft_check.groups(draft.cfg)), data=draft.data)

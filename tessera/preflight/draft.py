@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tessera.checkpoint.folder import Damaged
     from tessera.config import JobConfig
     from tessera.models.contract import Family
     from tessera.parallel.dims import ParallelDims
@@ -22,5 +23,6 @@ class Draft:
     args: object = None  # the architecture; final (the tokenizer's vocabulary in) once `vocabulary` ran
     tokenizer_vocab: int | None = None  # the tokenizer's (the built-in one's without model.hf_assets_path)
     resume: ResumePoint | None = None
+    damaged: tuple[Damaged, ...] = ()  # the complete checkpoints skipped as damaged on the way to `resume`
     data: DataPlan | None = None
     dims: ParallelDims | None = None

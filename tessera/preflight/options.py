@@ -18,7 +18,6 @@ from tessera.config.sections import (
     STOP_SIGNALS,
 )
 from tessera.ft import check as ft_check
-from tessera.models import family as family_of
 from tessera.preflight.draft import Draft
 
 
@@ -29,11 +28,8 @@ def replica_group(d: Draft) -> None:
 
 
 def model(d: Draft) -> None:
-    architecture.check_model(d.cfg)
-
-
-def family(d: Draft) -> None:
-    d.family = family_of(d.cfg.model.name)
+    """Resolves draft.family: the one model.name names, of which model.flavor (when given) is a flavor."""
+    d.family = architecture.check_model(d.cfg)
 
 
 def _writable_folder(key: str, path: str) -> None:

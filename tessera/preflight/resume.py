@@ -22,7 +22,8 @@ def resume_point(d: Draft) -> None:
     steps), and the architecture the run will build (its vocabulary may still follow the tokenizer: `vocabulary`)."""
     cfg, found = d.cfg, None
     if cfg.checkpoint.enable:
-        found = launch_resume_point(cfg, d.launch)
+        found, damaged = launch_resume_point(cfg, d.launch)
+        d.damaged = tuple(damaged)
     if found is not None and found[2].get("kind") == "full":
         step, path, _ = found
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
@@ -35,8 +36,9 @@ def resume_point(d: Draft) -> None:
                               f"job.dump_folder")
     if found is None:  # then the run starts from initial_load_path, if given
         check_initial_load(cfg, d.launch)
-    d.resume = ResumePoint(step=found[0], path=found[1], kind=found[2].get("kind")) if found else None
-    d.args = architecture.resolve(cfg, None, d.resume.path if d.resume else None)
+    d.resume = ResumePoint(step=found[0], path=found[1], kind=found[2].get("kind"), content_checked=d.launch) \
+        if found else None
+    d.args = architecture.resolve(architecture.request(d.family, cfg), None, d.resume.path if d.resume else None)
 
 
 def tokenizer_vocab(d: Draft) -> None:
@@ -63,7 +65,8 @@ def vocabulary(d: Draft) -> None:
     from tessera.data.tokenizer import build_tokenizer
 
     d.tokenizer_vocab = build_tokenizer(d.cfg.model.hf_assets_path).vocab_size
-    d.args = architecture.resolve(d.cfg, d.tokenizer_vocab, d.resume.path if d.resume else None)
+    d.args = architecture.resolve(architecture.request(d.family, d.cfg), d.tokenizer_vocab,
+                                  d.resume.path if d.resume else None)
 
 
 def data_fingerprint(d: Draft) -> None:
