@@ -244,6 +244,39 @@ def test_a_multimodal_release_loads_its_text_model(tmp_path, fam, caplog):
         torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_released_moe_layout_loads_and_exports_as_released(tmp_path):
+    """Released Qwen 3.5 MoE folders keep each layer's experts fused (`mlp.experts.gate_up_proj`, `down_proj`: the
+    tensors transformers holds), the text model under `model.language_model.`: such a folder loads and generates
+    what transformers does, and exports write that layout, which transformers reads back."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from tessera.checkpoint.hf import save_hf
+
+    theirs = _theirs(tmp_path / "saved", True, multimodal=True, layer_types=[L, F, L])
+    released = tmp_path / "released"
+    released.mkdir()
+    (released / "config.json").write_text((tmp_path / "saved/config.json").read_text())
+    state = {name: value.contiguous() for name, value in theirs.state_dict().items()}
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert state[fused].shape == (6, 2 * 24, 48) and not any(".experts.0." in name for name in state)
+    save_file(state, released / "model.safetensors", metadata={"format": "pt"})
+    args = dataclasses.replace(hf_args(MOE.name, str(released)), max_seq_len=32)
+    ours = _random_model(MOE, args)
+    load_hf(ours, released)
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    prompt = [3, 17, 42, 5]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+        want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert generate(ours.eval(), prompt, 12) == want[0, len(prompt):].tolist()
+        save_hf(ours, args, tmp_path / "out")
+        names = set(json.loads((tmp_path / "out/model.safetensors.index.json").read_text())["weight_map"])
+        assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+        back = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(back(tokens).logits, theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+
+
 # --- layouts: each equals one process -------------------------------------------------------------------------
 
 STEPS = 3
@@ -354,20 +387,25 @@ def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, l
 @pytest.mark.ranks
 def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
     """TP 2 with EP 2: each rank reads and writes its shards of DeltaNet's fused q/k/v and convolution (DTensors
-    split by head, as FSDP splits them too) and of the experts; lr 0 keeps the weights, so the export equals the
+    split by head, as FSDP splits them too) and of the experts, from a folder transformers saved (one tensor per
+    expert) and from one in the released layout (fused experts); lr 0 keeps the weights, so the export equals the
     transformers model exactly."""
+    from safetensors.torch import save_file
     from transformers import Qwen3_5MoeForCausalLM
 
     from tests.launch import run_dist
 
     theirs = _theirs(tmp_path / "hf_in", True, vocab_size=300, layer_types=[L, F, L, F], num_hidden_layers=4)
+    (tmp_path / "released").mkdir()
+    (tmp_path / "released/config.json").write_text((tmp_path / "hf_in/config.json").read_text())
+    save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, tmp_path / "released/model.safetensors",
+              metadata={"format": "pt"})
     run = ["--model.name", "qwen3_5_moe", "--model.flavor=", "--training.steps", "1", "--optimizer.lr", "0",
            "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-           "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
-           "--training.local_batch_size", "2"]
-    for name, layout in (("tp_ep", ["--parallelism.tensor_parallel_degree", "2",
-                                    "--parallelism.expert_parallel_degree", "2"]),):
-        run_dist(2, tmp_path / name, *run, *layout)
-        exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / name / "checkpoint/exports/step-1")
+           "--checkpoint.last_save_in_hf", "--training.local_batch_size", "2",
+           "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    for name in ("hf_in", "released"):
+        run_dist(2, tmp_path / f"tp_ep_{name}", *run, "--checkpoint.initial_load_path", str(tmp_path / name))
+        exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / f"tp_ep_{name}/checkpoint/exports/step-1")
         for key, value in theirs.state_dict().items():
             torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=f"{name} {key}")

@@ -169,10 +169,12 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     # releases): stored_names maps each stored name to its to_hf name, or to None (not the model's).
     stored = fam.hf.stored_names(saved) if hasattr(fam.hf, "stored_names") else {n: n for n in saved}
     saved = {stored[n]: m for n, m in saved.items() if stored[n] is not None}
+    # A model released in one layout and saved by transformers in another reads the folder's.
+    to_hf = fam.hf.to_hf_for(saved) if hasattr(fam.hf, "to_hf_for") else fam.hf.to_hf
     if fit.note and _rank0():
         log.warning(f"{folder}: {fit.note}")
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
-        whole = fam.hf.to_hf(_without(fam.spec().model(args).state_dict(), fit.fresh))
+        whole = to_hf(_without(fam.spec().model(args).state_dict(), fit.fresh))
     scales = {n for n in saved if n.endswith(_SCALE)}
     if scales and not isinstance(reader, QuantizedHuggingFaceStorageReader):
         raise HFError(f"'{folder}' holds block-quantization scales ('{min(scales)}') but its config.json has no "
@@ -205,7 +207,7 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
     state = _without(plain.model_state(model), fit.fresh)
     regrouped = by_experts(state)  # adapters read and write whole experts: filled here, then copied back
-    targets = fam.hf.to_hf({**state, **regrouped})
+    targets = to_hf({**state, **regrouped})
     reads = {n: t for n, t in targets.items() if n not in quantized}
     for name in quantized & targets.keys():
         reads.update(mxfp4.parts(targets[name], saved, name))

@@ -19,7 +19,9 @@ class HFAdapter(Protocol):
     Optional: `stored_names(names)`, {name in a folder: its to_hf name, or None for another model's tensor};
     `fit_to_weights(args, names, train)` -> (args, prefixes of ours the folder lacks, kept as initialized, a note
     or None): config.json's args fitted to the tensor names a folder holds (tessera.models.hf_fit);
-    `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model)."""
+    `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model);
+    `to_hf_for(names)`, the to_hf that reads a folder holding `names` (after stored_names), for a model whose
+    folders come in more than one layout (to_hf: the one exports write)."""
 
     def to_hf(self, state: dict) -> dict: ...
 

@@ -2,8 +2,12 @@
 text model of their `...ForConditionalGeneration` releases, under `model.language_model.` beside the vision tower,
 which is not ours). transformers fuses DeltaNet's q/k/v projections (`in_proj_qkv`) and their convolutions
 (`conv1d` [channels, 1, K]); Tessera keeps them apart so that tensor parallelism splits each by head: loading reads
-them into fresh fused tensors that `from_hf` splits back. The MoE experts are transformers 5's fused stacks
-(`gate_up_proj` [E, 2 hidden, dim], `down_proj` [E, dim, hidden])."""
+them into fresh fused tensors that `from_hf` splits back.
+
+The routed experts come in two layouts: the released checkpoints' (and transformers 5's in memory), each layer's as
+fused stacks, `mlp.experts.gate_up_proj` [E, 2 hidden, dim] (gate rows first) and `mlp.experts.down_proj` [E, dim,
+hidden]; and one tensor per expert (`mlp.experts.N.gate_proj.weight`, ...), which transformers' save_pretrained
+writes. Both load (`to_hf_for` picks a folder's); exports write the released one."""
 
 import re
 
@@ -26,7 +30,8 @@ _NAMES = {kind: shared.Renamer("Qwen 3.5", {**_LAYER, **table}, shared.DECODER_T
 _OURS = re.compile(r"layers\.(\d+)\.(attention\.heads\.(A_log|dt_bias|conv_[qkv])|attention\.w[qkv]\.weight"
                    r"|feed_forward\.experts\.w[123]|feed_forward\.expert_bias)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.(linear_attn\.(A_log|dt_bias|conv1d\.weight|in_proj_qkv\.weight)"
-                     r"|mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight)")
+                     r"|mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight"
+                     r"|mlp\.experts\.(gate_up_proj|down_proj))")
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _TEXT = "model.language_model."  # the text model's prefix in a multimodal checkpoint
 
@@ -42,9 +47,28 @@ def _cat(parts: list, dim: int = 0):
     return None if parts[0] is None else torch.cat(parts, dim=dim)
 
 
+def to_hf_for(names) -> object:
+    """The to_hf of a folder holding `names` (after stored_names): one tensor per expert, or the released layout."""
+    return to_hf_per_expert if any(_PER_EXPERT.search(n) for n in names) else to_hf
+
+
 def to_hf(state: dict) -> dict:
-    """Fused q/k/v and conv taps are fresh tensors (loading fills them, from_hf splits them back); experts
-    are views of the stacks (filled in place). The selection bias of aux-loss-free balancing is left out."""
+    """The released layout: the experts' fused stacks."""
+    return _to_hf(state, per_expert=False)
+
+
+def to_hf_per_expert(state: dict) -> dict:
+    """One tensor per expert, as transformers' save_pretrained writes them."""
+    return _to_hf(state, per_expert=True)
+
+
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+def _to_hf(state: dict, per_expert: bool) -> dict:
+    """Fused q/k/v and conv taps are fresh tensors (loading fills them, from_hf splits them back), and so is a fused
+    gate_up stack; the other experts are views of the stacks (filled in place). The selection bias of aux-loss-free
+    balancing is left out."""
     linear = {_layer(n) for n in state if ".attention.wz." in n}
     out, fused = {}, {}
     for name, value in state.items():
@@ -61,9 +85,15 @@ def to_hf(state: dict) -> dict:
             conv = _cat([w[f"attention.heads.conv_{x}"] for x in "qkv"])
             out[prefix + "linear_attn.conv1d.weight"] = None if conv is None else conv.unsqueeze(1)
             out[prefix + "linear_attn.in_proj_qkv.weight"] = _cat([w[f"attention.w{x}.weight"] for x in "qkv"])
+        if "feed_forward.experts.w1" not in w:
+            continue
+        if not per_expert:
+            out[prefix + "mlp.experts.gate_up_proj"] = shared.on_experts(
+                lambda gate, up: _cat([gate, up], dim=1), w["feed_forward.experts.w1"], w["feed_forward.experts.w3"])
+            out[prefix + "mlp.experts.down_proj"] = w["feed_forward.experts.w2"]  # the stack itself
+            continue
         for x, proj in _PROJ.items():  # views of the stack, one per expert
-            for e, expert in shared.experts_of(w[f"feed_forward.experts.{x}"]) if f"feed_forward.experts.{x}" in w \
-                    else ():
+            for e, expert in shared.experts_of(w[f"feed_forward.experts.{x}"]):
                 out[f"{prefix}mlp.experts.{e}.{proj}.weight"] = expert
     return out
 
@@ -90,6 +120,12 @@ def from_hf(state: dict) -> dict:
             for x, piece in zip("qkv", pieces, strict=True):
                 out[f"{ours}attention.w{x}.weight" if part == "in_proj_qkv.weight"
                     else f"{ours}attention.heads.conv_{x}"] = piece
+        elif m[6] == "down_proj":
+            out[f"{ours}feed_forward.experts.w2"] = value
+        elif m[6] == "gate_up_proj":
+            for x, half in (("w1", 0), ("w3", 1)):
+                out[f"{ours}feed_forward.experts.{x}"] = shared.on_experts(
+                    lambda gate_up, half=half: gate_up.chunk(2, dim=1)[half], value)
         else:
             back = {v: k for k, v in _PROJ.items()}
             experts.setdefault(f"{ours}feed_forward.experts.{back[m[5]]}", {})[int(m[4])] = value
