@@ -89,11 +89,13 @@ def test_two_groups_of_fsdp2_equal_hsdp_2x2(tmp_path, lighthouse):
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
 
 
-def start_single(dump: Path, *args: str, delay: float = 0.15) -> subprocess.Popen:
-    """A replica group of one process (quick to start and to kill), each step slowed by `delay` seconds."""
+def start_single(dump: Path, *args: str, delay: float = 0.15, **faults: str) -> subprocess.Popen:
+    """A replica group of one process (quick to start and to kill), each step slowed by `delay` seconds; `faults`:
+    tests/faults.py's other settings."""
     return local.start_single(merge(TINY, ["--job.dump_folder", str(dump)], args),
                               dump.parent / f"{dump.name}-{time.monotonic_ns()}.log",
-                              program=(str(local.ROOT / "tests/faults.py"),), TESSERA_TEST_STEP_SECONDS=str(delay))
+                              program=(str(local.ROOT / "tests/faults.py"),), TESSERA_TEST_STEP_SECONDS=str(delay),
+                              **faults)
 
 
 def rows(dump: Path, replica_id: int) -> list[dict]:

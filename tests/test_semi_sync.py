@@ -115,16 +115,18 @@ def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         torch.testing.assert_close(got[name], want[name], atol=tol, rtol=0, msg=name)
 
 
-def start_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list:
-    """Two replica groups: of `nproc` ranks (torchrun), or of one process (0)."""
+def start_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0, stall: str = "") -> list:
+    """Two replica groups: of `nproc` ranks (torchrun), or of one process (0); `stall`: group 0 (of one process)
+    sleeps before a step (tests/faults.py's TESSERA_TEST_STALL, "0:step:seconds")."""
     flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
-    return [start_group(nproc, dump, *args, *flags[i]) if nproc else start_single(dump, *args, *flags[i], delay=0.0)
+    return [start_group(nproc, dump, *args, *flags[i]) if nproc else
+            start_single(dump, *args, *flags[i], delay=0.0, TESSERA_TEST_STALL=stall if i == 0 else "")
             for i in range(2)]
 
 
-def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0) -> list[str]:
+def run_job(dump: Path, lighthouse: str, *args: str, nproc: int = 0, stall: str = "") -> list[str]:
     """Two replica groups to the end; their logs."""
-    return [finish(proc) for proc in start_job(dump, lighthouse, *args, nproc=nproc)]
+    return [finish(proc) for proc in start_job(dump, lighthouse, *args, nproc=nproc, stall=stall)]
 
 
 @pytest.mark.ranks
@@ -153,12 +155,16 @@ def test_local_sgd_equals_the_reference_and_every_step_with_sgd_equals_synchrono
 @pytest.mark.ranks
 def test_streaming_diloco_equals_the_reference(tmp_path, lighthouse):
     """Streaming DiLoCo: 2 fragments, each sent one step before it is applied, alpha 0.5 (groups of one
-    process): each group's final weights equal the reference's."""
+    process): each group's final weights equal the reference's. Group 0 stalls 4 s before step 2, so group 1 waits
+    at its sync of step 3 longer than quorum_timeout_seconds (1): a sync waits for the others (sync_wait_seconds),
+    and every sync commits."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
             "--fault_tolerance.num_fragments", "2", "--fault_tolerance.fragment_sync_delay", "1",
             "--fault_tolerance.fragment_update_alpha", "0.5", "--training.steps", "8", "--checkpoint.enable",
-            "--checkpoint.interval", "8"]
-    run_job(tmp_path / "job", lighthouse, *args)
+            "--checkpoint.interval", "8", "--fault_tolerance.quorum_timeout_seconds", "1"]
+    run_job(tmp_path / "job", lighthouse, *args, stall="0:2:4")
+    last = [rows(tmp_path / "job", g)[-1] for g in range(2)]
+    assert [(r["ft/syncs"], r["ft/failed_syncs"]) for r in last] == [(4, 0), (4, 0)], last
     groups: list = []
     reference([], groups=2, ranks=1, method="diloco", sync_steps=4, steps=8, streaming=(2, 1, 0.5),
               group_weights=groups)

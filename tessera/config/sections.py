@@ -352,6 +352,9 @@ class FaultTolerance:
     timeout_seconds: int = opt(60, "seconds a cross-group collective, the commit vote or a recovery transfer may "
                                "take before the step is dropped (a dead peer is usually noticed at once)", min=1)
     quorum_timeout_seconds: int = opt(120, "seconds to wait for a quorum (the lighthouse must answer)", min=1)
+    sync_wait_seconds: int = opt(3600, "semi-synchronous groups: seconds a group waits at a sync for the other "
+                                 "live groups to reach it (a relaunched group, at its first, for their next sync: up "
+                                 "to sync_steps of their steps), in place of quorum_timeout_seconds", min=1)
     connect_timeout_seconds: int = opt(10, "seconds to reach the lighthouse and the groups' managers", min=1)
     bucket_mb: int = opt(25, "gradients are averaged across groups in flat buckets of about this size", min=1)
     log_state_digest: bool = opt(False, "debug: log ft/state_digest (a hash of this rank's weights and optimizer "

@@ -131,19 +131,21 @@ class ReplicaGroup:
         if self.semi is not None:
             self.semi.after_step()
 
-    def start_quorum(self) -> None:
-        """A quorum of the live groups; a group behind the others copies a live one's state (self.recovered_s)."""
+    def start_quorum(self, wait: tuple[str, int] | None = None) -> None:
+        """A quorum of the live groups; a group behind the others copies a live one's state (self.recovered_s).
+        `wait`: (the option, its seconds) that bounds the wait, when not quorum_timeout_seconds."""
         start = time.perf_counter()
         self.recovered_s = None
+        f = self.cfg.fault_tolerance
+        key, seconds = wait or ("fault_tolerance.quorum_timeout_seconds", f.quorum_timeout_seconds)
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=timedelta(seconds=seconds))
         except ConfigError:  # _load refused the peer's state
             raise
         except Exception as e:  # torchft's quorum RPC: the lighthouse (or this group's manager) is gone
-            f = self.cfg.fault_tolerance
             raise RuntimeError(f"fault tolerance: step {self.step + 1}: no quorum ({str(e).splitlines()[0][:200]});"
                                f" is the lighthouse at {check.lighthouse_address(self.cfg)} still up? (waited "
-                               f"fault_tolerance.quorum_timeout_seconds = {f.quorum_timeout_seconds})") from e
+                               f"{key} = {seconds})") from e
         self._check_quorum()
         if self.recovered_s is not None:
             seconds = time.perf_counter() - start

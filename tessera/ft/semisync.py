@@ -178,7 +178,9 @@ class SemiSync:
         self.group.position = self.group.saved.data.state_dict()
         manager = self.group.manager
         manager.load_state_dict({"step": self.group.step, "batches_committed": manager.batches_committed()})
-        self.group.start_quorum()
+        # The groups' inner steps are their own: one may reach a sync (or, relaunched, wait for the next) well
+        # before the others; they are waited for as long as sync_wait_seconds says, not quorum_timeout_seconds.
+        self.group.start_quorum(wait=("fault_tolerance.sync_wait_seconds", self.f.sync_wait_seconds))
         return self.group.recovered_s is not None
 
     def _due(self, n: int) -> None:
