@@ -14,10 +14,10 @@ SEMI_SYNC="${SEMI_SYNC:-none}" SYNC_STEPS="${SYNC_STEPS:-20}"
 export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$PORT"
 # The lighthouse forms a quorum of whoever is live (min_replicas 1); the trainer refuses to commit below
 # fault_tolerance.min_replica_size. A dead group is dropped after 5 s without heartbeats.
-"$(dirname "$PYTHON")/torchft_lighthouse" --min_replicas 1 --bind "[::]:$PORT" --join_timeout_ms 10000 \
+"$PYTHON" -m tessera.lighthouse --min_replicas 1 --bind "[::]:$PORT" --join_timeout_ms 10000 \
   --quorum_tick_ms 100 > ft-lighthouse.log 2>&1 &
 lighthouse=$!
-trap 'kill "$lighthouse" 2>/dev/null || true' EXIT
+trap 'kill -INT "$lighthouse" 2>/dev/null || true' EXIT
 "$PYTHON" - "$TORCHFT_LIGHTHOUSE" <<'PY' || exit 1
 import sys, time, urllib.request
 for _ in range(300):  # up to 30 s for the lighthouse to answer

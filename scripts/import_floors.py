@@ -49,7 +49,7 @@ FLOORS = (
     ("commands", "what a user runs (`python -m ...`); `tessera` itself exports `from_pretrained`",
      ("tessera.report", "tessera.train", "tessera.estimate", "tessera.plan", "tessera.generate", "tessera.convert",
       "tessera.loss_compare", "tessera.cache", "tessera.config_cli", "tessera.config.__main__", "tessera.launch",
-      "tessera.data.prepare", "tessera")),
+      "tessera.lighthouse", "tessera.data.prepare", "tessera")),
 )
 TOP = len(FLOORS) - 1
 

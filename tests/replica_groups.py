@@ -23,6 +23,15 @@ def start_lighthouse(heartbeat_timeout_ms: int = 2000):
     return server, f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
 
 
+def start_lighthouse_process(folder: Path, *flags: str):
+    """(process, address): `python -m tessera.lighthouse` (the one ft_trainer.slurm starts), on a free port."""
+    proc = start_process([sys.executable, "-m", "tessera.lighthouse", "--bind", "[::]:0", "--quorum_tick_ms", "20",
+                          "--heartbeat_timeout_ms", "2000", *flags], folder / f"lighthouse-{time.monotonic_ns()}.log")
+    wait_for("the lighthouse", lambda: "serving at" in proc.log.read_text(), [proc], 60)
+    port = proc.log.read_text().split("serving at ")[1].split()[0].rsplit(":", 1)[1]
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def ft_flags(address: str, replica_id: int, group_size: int, min_size: int = 1) -> list[str]:
     return ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", address, "--fault_tolerance.replica_id",
             str(replica_id), "--fault_tolerance.group_size", str(group_size), "--fault_tolerance.min_replica_size",

@@ -245,6 +245,57 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
     assert all(r["ft/quorum"] == 2 for r in synced)
 
 
+@pytest.mark.paced
+def test_sigterm_to_every_process_then_the_relaunched_groups_agree_where_they_stand(tmp_path):
+    """SLURM's way (`--signal=TERM@300`, or a preemption): every job step gets SIGTERM, the lighthouse's
+    (tessera.lighthouse) too. Two DiLoCo groups, one faster, stop at different steps, each saving the step it
+    reached (exit 143) while the lighthouse serves on until a second SIGTERM. Relaunched, each from its own
+    checkpoint, the group behind copies the one that stopped last in their first quorum and neither syncs there: no
+    failed sync (a group syncing alone would fail after timeout_seconds), weights equal at every sync, and the
+    losses those of both groups relaunched from the leader's checkpoint."""
+    import os
+    import signal
+
+    dump, ref = tmp_path / "job", tmp_path / "ref"
+    args = [*DILOCO[:2], "--fault_tolerance.sync_steps", "4", "--training.steps", "16", "--checkpoint.enable",
+            "--checkpoint.interval", "4", "--fault_tolerance.log_state_digest", "--fault_tolerance.timeout_seconds",
+            "5"]
+    server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
+    groups = [start_single(dump, *args, *ft_flags(address, i, min_size=2), delay=(0.05, 0.3)[i]) for i in range(2)]
+    try:
+        wait_for("step 6", lambda: len(rows(dump, 0)) >= 6, [*groups, server])
+        for proc in (*groups, server):
+            os.kill(proc.pid, signal.SIGTERM)
+        outs = [finish(proc, expect=143) for proc in groups]
+        assert server.poll() is None  # it serves on through the first SIGTERM
+        os.kill(server.pid, signal.SIGTERM)
+        assert server.wait(timeout=30) == 0 and "stopped on SIGTERM" in server.log.read_text()
+    finally:
+        for proc in (*groups, server):
+            if proc.poll() is None:
+                kill(proc)
+    stopped = [rows(dump, g)[-1]["step"] for g in range(2)]
+    assert stopped[0] > stopped[1] and all(f"stopped on SIGTERM after step {n} of 16" in out
+                                           for n, out in zip(stopped, outs, strict=True)), stopped
+    shutil.copytree(dump, ref)  # the reference: both groups relaunched from the leader's checkpoint
+    shutil.rmtree(ref / "checkpoint/replica_1")
+    shutil.copytree(ref / "checkpoint/replica_0", ref / "checkpoint/replica_1")
+    for folder in (dump, ref):
+        server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
+        try:
+            for proc in [start_single(folder, *args, *ft_flags(address, i, min_size=2), delay=0.0)
+                         for i in range(2)]:
+                finish(proc)
+        finally:
+            kill(server)
+    again = [{r["step"]: r for r in rows(dump, g) if r["step"] > stopped[0]} for g in range(2)]
+    want = [{r["step"]: r for r in rows(ref, g) if r["step"] > stopped[0]} for g in range(2)]
+    assert [r["ft/failed_syncs"] for r in (again[0][16], again[1][16])] == [0, 0]
+    assert all(again[0][n]["ft/weights_digest"] == again[1][n]["ft/weights_digest"] for n in (8, 12, 16))
+    for g in range(2):
+        assert [again[g][n]["loss"] for n in sorted(again[g])] == [want[g][n]["loss"] for n in sorted(want[g])], g
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("flags, line", [
     (["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.outer_lr", "0.5"],

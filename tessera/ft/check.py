@@ -235,8 +235,8 @@ def _probe_lighthouse(cfg: JobConfig) -> None:
     except (urllib.error.URLError, OSError, ValueError) as e:
         why = getattr(e, "reason", None) or e
         raise ConfigError(f"fault_tolerance.lighthouse: no lighthouse answers at {address} ({why}); start one "
-                          f"(torchft_lighthouse --min_replicas 1 --bind [::]:29510, or scripts/ft_local.sh) or fix "
-                          f"the address") from None
+                          f"(python -m tessera.lighthouse --min_replicas 1 --bind [::]:29510, or scripts/ft_local.sh) "
+                          f"or fix the address") from None
 
 
 def _try_lock(path: str) -> int | None:

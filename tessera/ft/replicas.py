@@ -98,6 +98,7 @@ class ReplicaGroup:
         self.batches: list | None = None  # this step's batches, kept until it commits (run again if it does not)
         self.position = saved.data.state_dict()  # the data position at the start of the step being run
         self.recovered_s: float | None = None  # set by _load: this step started with a recovery
+        self.peer_at_sync = False  # set by _load: the group copied was at a sync, about to send (semi-synchronous)
         self.quorum = 0
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
@@ -295,7 +296,8 @@ class ReplicaGroup:
         """This rank's shard of everything a group trains with (no collective: torchft calls it from its quorum
         thread, while the step waits for the quorum). Semi-synchronous: copies, as this group goes on training while
         the recovering one reads them."""
-        return live_state(self.saved, [self.job, self.settings], self.position, copy=self.semi is not None)
+        state = live_state(self.saved, [self.job, self.settings], self.position, copy=self.semi is not None)
+        return {**state, "at_sync": self.semi is not None and self.semi.at_sync}
 
     def _load(self, state: dict) -> None:
         start = time.perf_counter()
@@ -306,4 +308,5 @@ class ReplicaGroup:
                               f"same config and fault_tolerance.job_name")
         load_live_state(self.saved, state)
         self.position, self.batches = dict(state["dataloader"]), None
+        self.peer_at_sync = bool(state.get("at_sync"))
         self.recovered_s = time.perf_counter() - start

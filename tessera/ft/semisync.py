@@ -145,11 +145,15 @@ class SemiSync:
             outer.snapshot()  # the weights this run starts from (fresh, or loaded from weights alone)
         self.pending = None  # diloco: (fragment, its (name, param) pairs, their pseudo-gradients, wait)
         self.joined = False
+        self.at_sync = False  # in a sync's quorum, about to send (a group recovering from this one then sends too)
         self.syncs, self.failed, self.sent_bytes, self.seconds = 0, 0, 0, 0.0
 
     def join(self) -> None:
-        """Before this run's first step: meet the other groups. A group behind them (relaunched) waits until the
-        others reach their next sync, copies their state there, and takes part in that sync."""
+        """Before this run's first step: meet the other groups. A group behind them copies the state of the one
+        furthest ahead. Relaunched while the others train, it waits until they reach their next sync, copies their
+        state there and takes part in that sync; relaunched with them (a whole job, each group from its own
+        checkpoint, at its own step), it copies the state of the one that stopped last, which is in its join too:
+        then no group syncs here, and all train every step from there alike."""
         self.joined, start, least, said = True, time.perf_counter(), self.f.min_replica_size, False
         while not (healed := self._quorum()) and self.group.manager.num_participants() < least:
             if self.group.world.rank == 0 and not said:
@@ -157,16 +161,18 @@ class SemiSync:
                             f"waiting for fault_tolerance.min_replica_size {least} before the first step")
             said = True
         self.group.note_quorum()
-        if healed:
+        if healed and self.group.peer_at_sync:
             self._due(self.group.step)
         self.seconds += time.perf_counter() - start
 
     def after_step(self) -> None:
         n, start = self.group.step, time.perf_counter()
         if n % self.per == (self.per - self.delay) % self.per:
+            self.at_sync = True
             self._quorum()
             n = self.group.step  # a group behind the others is at theirs now
             self._due(n)
+            self.at_sync = False
         elif self.pending is not None and (n % self.per == 0 or n == self.group.cfg.training.steps):
             self._apply()  # the last step applies a fragment still in flight
         else:
