@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,7 @@ class StopRequest:
         main = threading.current_thread() is threading.main_thread()
         self.signals = [getattr(signal, name) for name in names] if main else []
         self.received: int = 0  # the first signal's number; 0 = none
+        self.received_at: float | None = None  # when (time.monotonic()) this process got it
         # A CPU group of its own: the agreement never enters the GPU queue, nor races the checkpointer's group.
         self.group = dist.new_group(backend="gloo") if world_size > 1 and dist.is_initialized() else None
         self.previous: dict[int, object] = {}
@@ -69,7 +71,8 @@ class StopRequest:
         if peer_gone():  # torchrun ending the other ranks after one failed: nothing to save, go at once
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        self.received = self.received or signum  # a repeated signal (SLURM and torchrun both send one) is the same
+        if not self.received:  # a repeated signal (SLURM and torchrun both send one) is the same
+            self.received, self.received_at = signum, time.monotonic()
 
     def agree(self, save_failed: bool) -> tuple[str | None, bool]:
         """At a step boundary, on every rank: (the signal some rank got, by name, or None; whether some rank's

@@ -202,13 +202,13 @@ def train(tr: Trainer) -> None:
             # Before validation: nothing after it can lose a save. Under fault tolerance one group saves.
             if tr.checkpointer.should_save(tr.progress.step, last) and (tr.replicas is None or tr.replicas.saves()):
                 tr.checkpointer.save(last)
+            if (asked := at_boundary(tr, stop)) and not last:  # every rank the same: a signal stops the run here,
+                stop_and_save(tr, stop, asked)  # saved at once, the step's validation skipped (the kill is near)
             if tr.val_loader is not None and (tr.progress.step % tr.cfg.validation.freq == 0 or last):
                 tr.metrics.log(tr.progress.step, {"loss": validate_loss(tr)}, prefix="validation/")
                 window_start = time.perf_counter()
             if tr.evaluate is not None and tr.evaluate(run_view(tr), last):  # its time is not the step's
                 window_start = time.perf_counter()
-            if (asked := at_boundary(tr, stop)) and not last:  # every rank the same: a signal stops the run here,
-                stop_and_save(tr, stop, asked)  # once the step's validation is logged (a relaunch starts after it)
     tr.checkpointer.wait()
 
 
@@ -223,12 +223,19 @@ def at_boundary(tr: Trainer, stop: StopRequest) -> str | None:
 
 def stop_and_save(tr: Trainer, stop: StopRequest, asked: str) -> None:
     """A full checkpoint of the step reached (unless this step's was just written; an async one in flight is
-    waited for), then Stopped with the line saying so."""
+    waited for), then Stopped with the line saying so. Nothing else first: the scheduler kills the run
+    checkpoint.signal_grace_seconds after its signal, so the step's validation is skipped and the purge of older
+    checkpoints left to the next run; a stop whose save ends later than that says so."""
     saves = tr.cfg.checkpoint.enable and (tr.replicas is None or tr.replicas.saves())
     if saves and not tr.checkpointer.should_save(tr.progress.step, False):
-        tr.checkpointer.save(sync=True)
+        tr.checkpointer.save(sync=True, purge=False)
     tr.checkpointer.wait()
     at_boundary(tr, stop)  # this save failed: that line instead
+    grace = tr.cfg.checkpoint.signal_grace_seconds
+    if saves and stop.received_at is not None and (took := time.monotonic() - stop.received_at) > grace:
+        log.warning(f"the stop took {took:.1f}s from {asked} to its checkpoint saved, more than checkpoint."
+                    f"signal_grace_seconds = {grace}: a scheduler that kills that long after its signal would have "
+                    f"cut it")
     where = (f"checkpoint step {tr.progress.step} saved in {tr.checkpointer.root}" if saves else
              "no checkpoint saved (checkpoint.enable = false)" if not tr.cfg.checkpoint.enable else
              "this replica group saves no checkpoint (another group of the job does)")

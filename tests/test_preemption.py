@@ -151,6 +151,40 @@ def test_sigusr1_when_asked_in_one_process(tmp_path, capsys, monkeypatch):
         in capsys.readouterr().err
 
 
+def test_a_stop_saves_at_once_and_a_save_longer_than_the_grace_says_so(tmp_path, capsys, monkeypatch):
+    """checkpoint.signal_grace_seconds (1 here, writes slowed to 1.2 s): SIGTERM inside step 3 saves step 3 at once,
+    skipping that step's validation and the purge of older checkpoints (keep_latest_k 1 keeps step 2 for the next
+    run to drop); the first save longer than the grace says so in one line, and the stop too."""
+    from tessera import train
+    from tessera.checkpoint.writer import HashingWriter
+
+    step_fn, write_data = train.train_step, HashingWriter.write_data
+
+    def signalled(tr):
+        if tr.progress.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_fn(tr)
+
+    def slow(self, plan, planner):
+        time.sleep(1.2)
+        return write_data(self, plan, planner)
+    monkeypatch.setattr(train, "train_step", signalled)
+    monkeypatch.setattr(HashingWriter, "write_data", slow)
+    dump = tmp_path / "run"
+    argv = merge(TINY, ["--job.dump_folder", str(dump), "--checkpoint.enable", "--checkpoint.interval", "2",
+                        "--checkpoint.keep_latest_k", "1", "--training.steps", "8", "--validation.enable",
+                        "--validation.freq", "1", "--validation.steps", "1", "--checkpoint.signal_grace_seconds", "1"])
+    assert train.main(argv) == REQUEUE_EXIT
+    with open(dump / "metrics.jsonl") as fh:
+        validated = [r["step"] for r in map(json.loads, fh) if "validation/loss" in r]
+    assert validated == [1, 2] and read_metrics(dump)[-1]["step"] == 3
+    assert sorted(os.listdir(dump / "checkpoint")) == ["step-2", "step-3"]
+    out = capsys.readouterr().out.splitlines()
+    said = [line.split("] ", 1)[1] for line in out if "signal_grace_seconds = 1" in line]
+    assert len(said) == 2 and said[0].startswith("checkpoint step 2 took ") and said[1].startswith(
+        "the stop took "), said
+
+
 # ---- a full disk ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def full_disk_at(monkeypatch):

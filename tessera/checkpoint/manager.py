@@ -249,6 +249,7 @@ class Checkpointer:
         self.failure: str | None = None  # a save that failed, in one line (save_failure)
         self.need_bytes = 0  # an estimate of one checkpoint's size, until one is written
         self.stall_s = 0.0  # training time lost to saving since the last report
+        self.said_slow = False  # a save longer than checkpoint.signal_grace_seconds was said (once a run)
         self.verified: set[str] = set()  # checkpoints this run wrote or content-checked: purging keeps the newest
         self.damaged = set(damaged or ())  # found damaged at resume: not counted among the ones to keep
         # What the data position depends on (data files, tokenizer), recorded in each full checkpoint.
@@ -274,9 +275,10 @@ class Checkpointer:
         if self.c.enable:
             on_rank0(lambda: probe_writable(self.root, bytes_per_checkpoint))
 
-    def save(self, last: bool = False, sync: bool = False) -> None:
+    def save(self, last: bool = False, sync: bool = False, purge: bool = True) -> None:
         """A full checkpoint (synchronous at the end of the run, or when `sync`), then, at the end, the exports
-        asked for. A save that fails leaves `failure` (one line) for the step boundary to stop the run with."""
+        asked for. A save that fails leaves `failure` (one line) for the step boundary to stop the run with.
+        `purge`: drop the checkpoints keep_latest_k no longer keeps (a stop leaves that to the next run)."""
         start, step = time.perf_counter(), self.parts.progress.step
         self.wait()  # a new save never races one still in flight
         path = self._fresh_folder(os.path.join(self.root, f"step-{step}"))
@@ -284,7 +286,7 @@ class Checkpointer:
         if self.c.async_mode != "disabled" and not (last or sync):
             self.pending, self.settled = self._async_save(state, writer), threading.Event()
             self.pending.add_done_callback(
-                lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, done))
+                lambda f, p=path, s=step, done=self.settled: self._settle(f, p, s, writer, start, purge, done))
         else:
             try:
                 with _one_process_quiet():
@@ -292,7 +294,7 @@ class Checkpointer:
                 error = None
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
                 error = e
-            self._settle(error, path, step, writer)
+            self._settle(error, path, step, writer, start, purge)
         stall = time.perf_counter() - start
         self.stall_s += stall
         if self.failure is None:
@@ -302,7 +304,7 @@ class Checkpointer:
             self.export()
 
     def _settle(self, outcome: Future | BaseException | None, path: str, step: int, writer: HashingWriter,
-                done: threading.Event | None = None) -> None:
+                start: float, purge: bool, done: threading.Event | None = None) -> None:
         """A save's end (in the background for an async one, given its future): its marker, or its folder
         removed and `failure`."""
         try:
@@ -311,9 +313,10 @@ class Checkpointer:
                 error = RuntimeError("the save was cancelled") if outcome.cancelled() else outcome.exception()
             if error is None:
                 try:
-                    self._finish(path, step, "full", writer.digests)
+                    self._finish(path, step, "full", writer.digests, purge)
                 except OSError as e:  # the marker or the run record (rank 0): a full disk, most likely
                     error = e
+                self._longer_than_grace(step, time.perf_counter() - start)
             if error is not None:
                 if self.rank == 0:
                     shutil.rmtree(path, ignore_errors=True)  # every rank is done with it: DCP gathered them
@@ -391,7 +394,19 @@ class Checkpointer:
         upload.add_done_callback(lambda _: stager.close())
         return upload
 
-    def _finish(self, path: str, step: int, kind: str, digests: dict) -> None:
+    def _longer_than_grace(self, step: int, seconds: float) -> None:
+        """Said once a run, by rank 0: a save longer than a stop signal leaves before the kill."""
+        grace = self.c.signal_grace_seconds
+        if seconds > grace and self.rank == 0 and not self.said_slow:
+            self.said_slow = True
+            log.warning(f"checkpoint step {step} took {seconds:.1f}s to save, more than checkpoint."
+                        f"signal_grace_seconds = {grace}: a stop signal's save would be killed before it ends, "
+                        f"losing the steps since the checkpoint before; ask the scheduler for a longer lead (SLURM "
+                        f"--signal=TERM@<seconds>, Kubernetes terminationGracePeriodSeconds, then raise "
+                        f"signal_grace_seconds), or save more often with saves that overlap training "
+                        f"(checkpoint.async_mode = \"async_with_pinned_mem\": staged in memory)")
+
+    def _finish(self, path: str, step: int, kind: str, digests: dict, purge: bool = True) -> None:
         """Runs once DCP has returned, i.e. every rank has written and the metadata exists. `digests`: the DCP
         files', computed as they were written (on rank 0, DCP's coordinator)."""
         if self.rank != 0:
@@ -401,7 +416,8 @@ class Checkpointer:
             records[INPUTS] = write_hashed(os.path.join(path, INPUTS), json.dumps(self.inputs, indent=1))
         write_marker(path, step, kind, {**digests, **records})
         self.verified.add(path)
-        self._purge(step)
+        if purge:
+            self._purge(step)
 
     def _purge(self, newest: int) -> None:
         """Keep the newest keep_latest_k complete checkpoints, the newest full one always among them; drop older

@@ -272,6 +272,10 @@ class Checkpoint:
     save_on_signal: list[str] = opt(["SIGTERM"], "signals (SIGTERM, SIGUSR1, SIGUSR2) that stop the run after the "
                                     "step in progress, with a checkpoint of it, exit status 143 (for a requeue); "
                                     "empty = the signals' own action")
+    signal_grace_seconds: int = opt(30, "seconds the scheduler leaves between its stop signal and its kill (SLURM "
+                                    "preemption, Kubernetes, torchrun: about 30; SLURM's --signal=TERM@N at a time "
+                                    "limit: N): a stop skips the step's validation and the purge of older "
+                                    "checkpoints, and a save longer than this says so", min=1)
 
 
 @dataclass
