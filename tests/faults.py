@@ -5,6 +5,7 @@ TESSERA_TEST_NAN_STEPS="3,4": those steps' gradients are NaN on every rank (for 
 TESSERA_TEST_STEP_SECONDS="0.5": every step takes that much longer (a run long enough to signal in mid-run).
 TESSERA_TEST_SAVE_SECONDS="3": every checkpoint's shard writing takes that much longer (to signal during a save).
 TESSERA_TEST_KILL_BEFORE_MARKER="9": rank 0 is SIGKILLed once step 9's checkpoint is written, before its marker.
+TESSERA_TEST_REFUSE_COMMIT="2": this process's 2nd torchft commit vote is no (a replica group's failed sync).
 """
 
 import os
@@ -52,6 +53,16 @@ def slow_writes(writer_class, seconds: float) -> None:
     writer_class.write_data = slow
 
 
+def refuse_commit(manager_class, vote: int) -> None:
+    """The `vote`-th call of `manager_class.should_commit` (torchft's Manager) in this process says no."""
+    should_commit, votes = manager_class.should_commit, []
+
+    def refused(self, *args, **kwargs):
+        votes.append(should_commit(self, *args, **kwargs))
+        return votes[-1] and len(votes) != vote
+    manager_class.should_commit = refused
+
+
 def kill_before_marker(manager, step: int) -> None:
     """The process dies (SIGKILL) when it is about to mark step `step`'s checkpoint complete (`manager`:
     tessera.checkpoint.manager, whose rank 0 writes the marker)."""
@@ -75,4 +86,7 @@ if __name__ == "__main__":
     if os.environ.get("TESSERA_TEST_KILL_BEFORE_MARKER"):
         from tessera.checkpoint import manager
         kill_before_marker(manager, int(os.environ["TESSERA_TEST_KILL_BEFORE_MARKER"]))
+    if os.environ.get("TESSERA_TEST_REFUSE_COMMIT"):
+        from torchft import Manager
+        refuse_commit(Manager, int(os.environ["TESSERA_TEST_REFUSE_COMMIT"]))
     sys.exit(train.main(sys.argv[1:]))

@@ -245,6 +245,21 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
     assert all(r["ft/quorum"] == 2 for r in synced)
 
 
+@pytest.mark.ranks
+def test_a_sync_that_fails_in_one_group_fails_in_every_group(tmp_path, lighthouse):
+    """DiLoCo every 2 steps; group 1's vote on its 2nd sync is no (its sync failed): group 0 does not apply that sync
+    either, so both count one failed sync and hold the same weights after every sync."""
+    args = [*DILOCO, "--training.steps", "8", "--fault_tolerance.log_state_digest"]
+    flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
+    for proc in [start_single(tmp_path / "job", *args, *flags[i], delay=0.0,
+                              TESSERA_TEST_REFUSE_COMMIT="2" if i else "") for i in range(2)]:
+        finish(proc)
+    last = [rows(tmp_path / "job", g) for g in range(2)]
+    assert [(r[-1]["ft/syncs"], r[-1]["ft/failed_syncs"]) for r in last] == [(3, 1), (3, 1)]
+    digests = [{r["step"]: r["ft/weights_digest"] for r in rows_ if r["step"] % 2 == 0} for rows_ in last]
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.paced
 def test_sigterm_to_every_process_then_the_relaunched_groups_agree_where_they_stand(tmp_path):
     """SLURM's way (`--signal=TERM@300`, or a preemption): every job step gets SIGTERM, the lighthouse's

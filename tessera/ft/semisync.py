@@ -237,7 +237,17 @@ class SemiSync:
                 local(p).copy_(mean)
 
     def _commit(self) -> bool:
-        committed = self.group.manager.should_commit()
+        """One outcome for every group of the sync: this group's vote (torchft's, which its ranks share), then the
+        votes averaged over the groups; it commits only when all voted for it. A vote that does not arrive (a group
+        failed in the sync) fails it everywhere, so no group applies a sync another reset."""
+        manager = self.group.manager
+        vote = manager.should_commit()
+        votes = torch.tensor([float(vote)], device=self.group.world.device)
+        manager.allreduce(votes).wait()
+        committed = vote and manager.errored() is None and votes.item() == 1.0
+        if vote and not committed and self.group.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.group.step}: the sync failed in another replica group; not "
+                        f"applied here either (the fragment is reset to the weights of the last sync)")
         self.syncs, self.failed = self.syncs + committed, self.failed + (not committed)
         self.group.note_quorum()
         return committed
