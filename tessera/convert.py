@@ -18,6 +18,7 @@ weights, so training resumes exactly that architecture.
 
 import argparse
 import dataclasses
+import os
 import re
 import shutil
 import sys
@@ -85,7 +86,9 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": state}, checkpoint_id=str(src))
-    save_hf(state, args, dst, dtype=opts.dtype, family=cfg.model.name)
+    c = cfg.checkpoint  # the run's: where it started from
+    save_hf(state, args, dst, dtype=opts.dtype, family=cfg.model.name,
+            carry_from=c.initial_load_path if c.initial_load_in_hf and os.path.isdir(c.initial_load_path) else None)
 
 
 def hf_to_dcp(src: Path, dst: Path, opts) -> None:

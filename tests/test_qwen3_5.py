@@ -277,6 +277,35 @@ def test_the_released_moe_layout_loads_and_exports_as_released(tmp_path):
         torch.testing.assert_close(back(tokens).logits, theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_releases_mtp_head_goes_unchanged_into_the_runs_export(tmp_path, capsys):
+    """A release's MTP head (`mtp.*`, which Tessera does not train) is left out of the model of a run that starts
+    from its folder, and written back unchanged, with its config.json keys, into the run's Hugging Face export (one
+    line says so), which transformers loads."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tessera.train import main
+
+    _theirs(tmp_path / "in", False, vocab_size=300)
+    head = {"mtp.fc.weight": torch.randn(48, 96), "mtp.norm.weight": torch.randn(48),
+            "mtp.layers.0.mlp.gate_proj.weight": torch.randn(80, 48)}
+    save_file(head, tmp_path / "in/mtp.safetensors")
+    config = json.loads((tmp_path / "in/config.json").read_text())
+    (tmp_path / "in/config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    dump = tmp_path / "run"
+    assert main(["--model.name", "qwen3_5", "--model.flavor=", "--training.steps", "2", "--training.seq_len", "32",
+                 "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                 "--checkpoint.initial_load_path", str(tmp_path / "in"), "--checkpoint.last_save_in_hf",
+                 "--job.dump_folder", str(dump), "--qwen3_5.chunk_size", "8"]) == 0
+    export = dump / "checkpoint/exports/step-2"
+    assert "MTP head of " in capsys.readouterr().out
+    with safe_open(export / "model-carried.safetensors", "pt") as fh:
+        assert sorted(fh.keys()) == sorted(head) and all(torch.equal(fh.get_tensor(n), head[n]) for n in head)
+    assert json.loads((export / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    transformers.Qwen3_5ForCausalLM.from_pretrained(export)
+
+
 # --- layouts: each equals one process -------------------------------------------------------------------------
 
 STEPS = 3

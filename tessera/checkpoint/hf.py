@@ -56,7 +56,7 @@ def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
 
 def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
             family: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, bos_id: int | None = None,
-            eos_id: int | None = None) -> None:
+            eos_id: int | None = None, carry_from: str | None = None) -> None:
     """Write `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` + `config.json` (and, for a
     language model given the tokenizer's `bos_id`/`eos_id`, `generation_config.json`) to `out_dir`; a diffusers
     model's files under its own names (the adapter's `weights_name`).
@@ -64,7 +64,8 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     `model_state`: our names -> tensors or DTensors (or the model itself, read with get_model_state_dict);
     under pipeline parallelism, this rank's stages. `family`: by default the one `args` belong to. Every rank
     of a job calls it: each writes its shards under out_dir/sharded, then rank 0 merges them into full tensors
-    and removes the shards.
+    and removes the shards. `carry_from`: the Hugging Face folder the run started from, whose tensors the family
+    keeps out of the model (Qwen 3.5's MTP head) the export writes back unchanged.
     """
     # Plain tensors: safetensors knows no training wrapper (float8, MX).
     is_model = isinstance(model_state, nn.Module)
@@ -103,7 +104,45 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
             (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if diffusers:
             _rename_weights(out, hf.weights_name)
+        if carry_from:
+            _carry(hf, Path(carry_from), out, dtype)
     _barrier()
+
+
+CARRIED = "model-carried.safetensors"
+
+
+def _carry(hf, source: Path, out: Path, dtype: torch.dtype | None) -> None:
+    """The tensors of the Hugging Face folder a run started from that its family keeps out of the model but its
+    releases hold (the adapter's `carried`: Qwen 3.5's MTP head), written unchanged beside the export's own, with
+    the config.json keys that describe them; said in one line (they were not trained)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    what = getattr(hf, "carried", None)
+    if what is None or not (source / "config.json").is_file():
+        return
+    theirs = json.loads((source / "config.json").read_text())
+    text = theirs.get("text_config", theirs)  # a multimodal release's text model
+    if theirs.get("quantization_config") or text.get("quantization_config"):
+        log.warning(f"{out}: the {what.what} of {source} is not written: that folder is quantized")
+        return
+    carried = {}
+    for file in sorted(source.glob("*.safetensors")):
+        with safe_open(file, "pt") as fh:
+            carried.update({n: fh.get_tensor(n) for n in fh.keys() if n.startswith(what.prefix)})
+    if not carried:
+        return
+    save_file({n: t.to(dtype or t.dtype).contiguous() for n, t in carried.items()}, out / CARRIED,
+              metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    index["weight_map"].update(dict.fromkeys(carried, CARRIED))
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((out / "config.json").read_text())
+    config.update({k: text[k] for k in what.config_keys if k in text})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log.warning(f"{out}: the {what.what} of {source} ({len(carried)} tensors) written back unchanged: Tessera "
+                f"does not train it")
 
 
 def _rename_weights(out: Path, name: str) -> None:

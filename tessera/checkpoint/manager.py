@@ -334,7 +334,8 @@ class Checkpointer:
         if self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
             save_hf(model_state(tr.model), self.model_args, path, dtype=dtype, family=self.cfg.model.name,
-                    bos_id=tr.bos_id, eos_id=tr.eos_id)
+                    bos_id=tr.bos_id, eos_id=tr.eos_id,
+                    carry_from=self.c.initial_load_path if self.c.initial_load_in_hf else None)
             kind = "hf"
         else:
             writer = HashingWriter(path)

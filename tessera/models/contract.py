@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+@dataclass(frozen=True)
+class Carried:
+    """Tensors a family's Hugging Face releases hold that it keeps out of its model (not trained), and that an HF
+    export of a run writes back unchanged from the folder the run started from (HFAdapter.carried)."""
+    prefix: str  # their names start so
+    what: str  # what they are, for the line that says so
+    config_keys: tuple[str, ...] = ()  # config.json's keys that describe them, copied along
+
+
 class HFAdapter(Protocol):
     """Hugging Face in and out: whole state dicts (so an adapter may rename, stack, split, permute or
     dequantize) and config.json both ways. Loading reads the checkpoint into `to_hf(model_state)`, so its
@@ -21,7 +30,7 @@ class HFAdapter(Protocol):
     or None): config.json's args fitted to the tensor names a folder holds (tessera.models.hf_fit);
     `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model);
     `to_hf_for(names)`, the to_hf that reads a folder holding `names` (after stored_names), for a model whose
-    folders come in more than one layout (to_hf: the one exports write)."""
+    folders come in more than one layout (to_hf: the one exports write); `carried`, a Carried."""
 
     def to_hf(self, state: dict) -> dict: ...
 

@@ -12,6 +12,7 @@ writes. Both load (`to_hf_for` picks a folder's); exports write the released one
 import re
 
 from tessera.models.common import hf as shared
+from tessera.models.contract import Carried
 from tessera.models.qwen3_5.args import FULL, LINEAR, every_fourth_full
 
 _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -156,11 +157,15 @@ def stored_names(names) -> dict:
 
 
 def fit_to_weights(args, names, train: bool):
-    """A multimodal folder's vision tower and MTP head are not Tessera's: left out, said in one line."""
+    """A multimodal folder's vision tower and MTP head are not Tessera's: left out, said in one line (an HF export
+    of the run writes the MTP head back: `carried`)."""
     other = sorted(n for n in names if n.startswith(("model.visual.", "mtp.")))
     note = f"{len(other)} tensors of the vision tower or MTP head ({other[0]}, ...) are not the text model's: " \
-           f"not loaded" if other else None
+           f"not loaded (the MTP head goes into Hugging Face exports unchanged)" if other else None
     return args, (), note
+
+
+CARRIED = Carried("mtp.", "MTP head", ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"))
 
 
 def text_config(config: dict, model_type: str) -> dict:

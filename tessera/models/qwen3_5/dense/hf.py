@@ -6,6 +6,7 @@ from tessera.models.qwen3_5 import hf as group
 from tessera.models.qwen3_5.args import Qwen35Args
 
 to_hf, from_hf, stored_names, fit_to_weights = group.to_hf, group.from_hf, group.stored_names, group.fit_to_weights
+carried = group.CARRIED  # the MTP head, written back into exports
 MODEL_TYPE = "qwen3_5_text"
 
 
