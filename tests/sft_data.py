@@ -21,6 +21,32 @@ THINKING = (
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
+# ChatML with what published templates render beyond plain turns: tool schemas, documents, content given as text
+# parts, reasoning, assistant tool calls and tool results; TAGGED marks the trained spans with {% generation %}.
+RICH = (
+    "{%- macro text(c) %}{%- if c is string %}{{- c }}{%- elif c %}{%- for p in c %}{{- p.text }}{%- endfor %}"
+    "{%- endif %}{%- endmacro %}"
+    "{%- if tools %}{{- '<|im_start|>system\n<tools>' + tools | tojson + '</tools><|im_end|>\n' }}{%- endif %}"
+    "{%- if documents %}{{- '<|im_start|>system\n' }}{%- for d in documents %}{{- d.title + ': ' + d.text + '\n' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.role == 'assistant' %}@OPEN@"
+    "{%- if m.reasoning_content %}{{- '<think>' + m.reasoning_content + '</think>' }}{%- endif %}{{- text(m.content) }}"
+    "{%- for call in m.tool_calls or [] %}{{- '<tool_call>' + call.function | tojson + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>' }}@CLOSE@{{- '\n' }}"
+    "{%- else %}{{- text(m.content) + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+TAGGED = RICH.replace("@OPEN@", "{%- generation %}").replace("@CLOSE@", "{%- endgeneration %}")
+RICH = RICH.replace("@OPEN@", "").replace("@CLOSE@", "")
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+TOOL_CALLING = [
+    {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                        "function": {"name": "add", "arguments": {"a": 2}}}]},
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "reasoning": "The tool said 4.", "content": "4, of course."}]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4, of course."}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},

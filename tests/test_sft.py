@@ -11,14 +11,14 @@ import torch
 
 from tessera.config import JobConfig
 from tessera.data import build_dataloader, build_tokenizer
-from tessera.data.chat import PlainTemplate, build_template
+from tessera.data.chat import Context, PlainTemplate, TemplateError, build_template
 from tessera.data.examples import encode_examples, example_format, examples
 from tessera.data.masks import IGNORE, trained_tokens
 from tessera.data.records import BadRecords
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.trainer import loss_fn, token_inputs
 from tests.launch import assert_matches, one_process, run_cases, run_local
-from tests.sft_data import CONVERSATIONS, THINKING, chat_tokenizer, write_jsonl
+from tests.sft_data import CONVERSATIONS, RICH, TAGGED, THINKING, TOOL_CALLING, TOOLS, chat_tokenizer, write_jsonl
 
 B, E = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 
@@ -64,6 +64,51 @@ def test_a_template_that_drops_earlier_turns_gives_one_example_per_assistant_tur
         assert plain(ids)[1:] == apply_chat_template(folder, messages[:i + 1])
         got = tok._tok.decode([int(t) for t in ids if t >= 0], skip_special_tokens=False)
         assert got == "<think>\n\n</think>\n\n" + messages[i]["content"] + "<|im_end|>\n"
+
+
+@pytest.mark.fast
+def test_generation_tags_tools_text_parts_and_reasoning_render_as_transformers_does(tmp_path):
+    """Published templates' other inputs, rendered as apply_chat_template renders them: a template's
+    `{% generation %}` spans are the trained tokens, equal to its assistant mask; a record's tools and documents,
+    content as text parts, an assistant's tool calls (empty content) and tool results, and reasoning under
+    `reasoning` (which transformers passes as reasoning_content) reach the template; the tool-call turns are
+    trained and the tool results not."""
+    from transformers import AutoTokenizer
+
+    documents = [{"title": "Maths", "text": "Sums are easy."}]
+    for name, source in (("tagged", TAGGED), ("untagged", RICH)):
+        folder = chat_tokenizer(tmp_path / name, source)
+        tok, template, theirs = build_tokenizer(str(folder)), build_template(str(folder), "auto"), \
+            AutoTokenizer.from_pretrained(str(folder))
+        for messages, context in ((CONVERSATIONS[1], {}), (TOOL_CALLING, {"tools": TOOLS, "documents": documents})):
+            (ids,) = encode_examples(tok, template.conversation(messages, True, Context(**context)))
+            want = theirs.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=name == "tagged", **context)
+            assert plain(ids)[1:] == list(want["input_ids"]), name
+            trained = [int(i >= 0) for i in ids[1:]]
+            if name == "tagged":
+                assert trained == list(want["assistant_masks"])
+            text = theirs.decode([int(i) for i in ids if i >= 0], skip_special_tokens=False)
+            if messages is TOOL_CALLING:
+                assert '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>' in text, text
+                assert "<think>The tool said 4.</think>4, of course." in text and "tool\n4" not in text, text
+
+
+@pytest.mark.fast
+def test_sharegpt_records_and_bad_content_parts(tmp_path):
+    """ShareGPT records (`conversations` of {from, value}, roles human / gpt / system / tool) read as they are,
+    equal to the same conversation in messages; a content part that is not text is a bad record saying so."""
+    folder = chat_tokenizer(tmp_path / "tok", RICH)
+    fmt = example_format(JobConfig().training, str(folder))
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    for messages in CONVERSATIONS:
+        sharegpt = {"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in messages]}
+        assert fmt.render(sharegpt) == fmt.render({"messages": messages})
+    image = [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, *CONVERSATIONS[0][1:]]
+    with pytest.raises(TemplateError, match="^message 1 has a 'image' content part; only text parts are trained on"):
+        fmt.render({"messages": image})
+    with pytest.raises(TemplateError, match="^message 1 is from 'bot', not one of ShareGPT's roles"):
+        fmt.render({"conversations": [{"from": "bot", "value": "hi"}]})
 
 
 @pytest.mark.fast
@@ -143,6 +188,32 @@ def test_mostly_bad_chat_data_is_refused_before_launch_and_a_few_bad_records_pas
                           f"10; the first: {data / 'b.jsonl'}:2: no field 'messages'"), err
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
     assert config_cli.main([*argv, "200"]) == 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.fast
+def test_chat_data_packs_its_examples_apart_by_default_and_causal_is_said(tmp_path, capsys):
+    """model.attn_mask_type = auto (the default): block_causal for chat and prompt-completion examples, so that packed
+    conversations never attend to each other; causal for text. Causal asked for on chat data runs, with one line."""
+    from tessera.metrics import setup_logging
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+
+    setup_logging(0)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS] * 20)
+    base = ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path", str(chat),
+            "--training.seq_len", "64"]
+    assert validate(parse_args(["--model.flavor", "tiny"]), 1).cfg.model.attn_mask_type == "causal"  # text
+    for fmt in ("chat", "prompt_completion"):
+        if fmt == "prompt_completion":
+            write_jsonl(chat, [{"prompt": "2 + 2 = ", "completion": "4"}] * 60)
+        argv = [*base, "--training.dataset_format", fmt]
+        assert validate(parse_args(argv), 1).cfg.model.attn_mask_type == "block_causal"
+        assert validate(parse_args([*argv, "--model.attn_mask_type", "causal"]), 1).cfg.model.attn_mask_type \
+            == "causal"
+        said = [line for line in capsys.readouterr().out.splitlines() if "model.attn_mask_type" in line]
+        assert len(said) == 1 and said[0].endswith(f"causal lets each packed {fmt} example attend to the ones "
+                                                   f"before it in its window; block_causal (the default for them) "
+                                                   f"keeps it to itself"), said
 
 
 def chat_file(path, n: int = 300, seed: int = 0):

@@ -41,9 +41,10 @@ class Model:
     hf_assets_path: str = opt("", "folder holding tokenizer.json (+ tokenizer_config.json); empty = built-in byte "
                               "tokenizer")
     converters: list[str] = opt([], "module converters applied before parallelism, e.g. quantize.linear.float8")
-    attn_mask_type: str = opt("causal", "causal: a token attends every earlier one of its window; block_causal: "
-                              "only those of its own document (documents packed into a window start at BOS)",
-                              choices=("causal", "block_causal"))
+    attn_mask_type: str = opt("auto", "causal: a token attends every earlier one of its window; block_causal: "
+                              "only those of its own document (documents packed into a window start at BOS); "
+                              "auto: block_causal for chat and prompt_completion data (packed examples never see "
+                              "each other), causal otherwise", choices=("auto", "causal", "block_causal"))
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """Chat templates: a conversation (a list of {role, content} messages) -> the text a model is trained on, and the
 character spans of it that are trained (the assistant turns).
 
-A tokenizer folder whose tokenizer_config.json holds a `chat_template` is rendered with jinja2 the way
-`transformers`' `apply_chat_template` renders it (a sandboxed environment, trim_blocks and lstrip_blocks, loop
-controls, `raise_exception`, `tojson`, `strftime_now`, the special tokens by name), so the text, tokenized once
-without added special tokens, gives the same ids. An assistant turn's span is what rendering the conversation up
-to it adds after the generation prompt of the conversation before it (its content and the template's end of turn,
-not the header). A template whose rendering of the first turns is not the start of the whole conversation's (one
+A tokenizer folder whose tokenizer_config.json holds a `chat_template` is rendered by `transformers`' own renderer
+(the one `apply_chat_template` runs, with the special tokens by name and a record's tools and documents), so the
+text, tokenized once without added special tokens, gives the same ids. A template with `{% generation %}` tags
+marks the trained spans itself (transformers' assistant mask). Without them, an assistant turn's span is what
+rendering the conversation up to it adds after the generation prompt of the conversation before it (its content
+and the template's end of turn, not the header). A template whose rendering of the first turns is not the start of the whole conversation's (one
 that drops earlier turns' reasoning, like Qwen 3's) gives one example per assistant turn instead: that turn's
 conversation so far, only that turn trained, as the model sees it when it answers.
 
@@ -16,8 +16,8 @@ the EOS token after it (instead of the newline) are.
 """
 
 import json
+import re
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from tessera.config.manager import ConfigError
@@ -40,53 +40,63 @@ class Rendered:
     eos_at: tuple[int, ...] = ()
 
 
-def _raise(message: str):
-    raise TemplateError(message)
+@dataclass(frozen=True)
+class Context:
+    """What a record gives its template beside the messages: tool schemas and documents (as transformers passes
+    them)."""
+    tools: list | None = None
+    documents: list | None = None
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class JinjaTemplate:
-    """A tokenizer's own chat template (a jinja2 string) with the special tokens it names."""
+    """A tokenizer's own chat template (a jinja2 string) with the special tokens it names, rendered by transformers'
+    own renderer (the one apply_chat_template runs: its sandbox, helpers, `{% generation %}` tags, reasoning
+    aliases)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        import jinja2  # deferred: only chat data needs it
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2  # deferred: only chat data needs them
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
-            self._template = env.from_string(source)
+            _compile_jinja_template(source)  # cached: rendering compiles it no more
         except jinja2.TemplateError as e:
             raise ConfigError(f"model.hf_assets_path: the chat_template of tokenizer_config.json does not compile "
                               f"({e}); fix it, or set training.chat_template = 'plain'") from None
-        self.special_tokens = special_tokens
+        self.source, self.special_tokens = source, special_tokens
+        self.tagged = bool(_GENERATION.search(source))  # it marks the trained spans itself
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, context: Context = Context(),
+               tagged: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """The text, and (`tagged`) the character spans its `{% generation %}` tags enclose."""
         import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
-        except TemplateError:
-            raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            texts, spans = render_jinja_template([messages], tools=context.tools, documents=context.documents,
+                                                 chat_template=self.source, return_assistant_tokens_mask=tagged,
+                                                 add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            if type(e) is jinja2.TemplateError:  # the template's own raise_exception: its message
+                raise TemplateError(str(e)) from None
             raise TemplateError(f"the chat template fails on it ({type(e).__name__}: {e})") from None
+        return texts[0], [tuple(span) for span in spans[0]] if tagged else []
 
-    def conversation(self, messages: list[dict], assistant_only: bool) -> list[Rendered]:
+    def conversation(self, messages: list[dict], assistant_only: bool, context: Context = Context()) -> list[Rendered]:
         """The example(s) of a conversation (see the module's docstring)."""
-        full = self.render(messages)
+        full, tagged = self.render(messages, context=context, tagged=self.tagged and assistant_only)
         if not assistant_only:
             return [Rendered(full, ((0, len(full)),))]
+        if self.tagged:
+            return [Rendered(full, tuple(tagged))]
         spans, whole = [], True
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before, upto = self.render(messages[:i], add_generation_prompt=True), self.render(messages[:i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, context=context)[0]
+            upto = self.render(messages[:i + 1], context=context)[0]
             if not upto.startswith(before):
                 raise TemplateError("the chat template's generation prompt is not the start of the assistant turn "
                                     "it renders, so the turn cannot be told from its header")
@@ -94,25 +104,37 @@ class JinjaTemplate:
             spans.append((i, len(before), len(upto)))
         if whole:
             return [Rendered(full, tuple((start, end) for _, start, end in spans))]
-        return [Rendered(self.render(messages[:i + 1]), ((start, end),)) for i, start, end in spans]
+        return [Rendered(self.render(messages[:i + 1], context=context)[0], ((start, end),))
+                for i, start, end in spans]
 
 
 class PlainTemplate:
     """The documented template for tokenizers without one (see the module's docstring)."""
 
-    def conversation(self, messages: list[dict], assistant_only: bool) -> list[Rendered]:
+    def conversation(self, messages: list[dict], assistant_only: bool, context: Context = Context()) -> list[Rendered]:
+        if context.tools or context.documents or any(m.get("tool_calls") for m in messages):
+            raise TemplateError("the plain template has no place for tools, documents or tool calls; use a tokenizer "
+                                "whose chat template renders them (model.hf_assets_path)")
         text, spans, eos_at = "", [], []
         for message in messages:
+            content = text_of(message.get("content"))
             if message["role"] == "assistant":
                 text += "assistant: "
-                spans.append((len(text), len(text) + len(message["content"])))
-                text += message["content"]
+                spans.append((len(text), len(text) + len(content)))
+                text += content
                 eos_at.append(len(text))  # the turn ends with the EOS id, not a newline
             else:
-                text += f"{message['role']}: {message['content']}\n"
+                text += f"{message['role']}: {content}\n"
         if not assistant_only:
             spans = [(0, len(text))]
         return [Rendered(text, tuple(spans), tuple(eos_at))]
+
+
+def text_of(content) -> str:
+    """A message's text: its content string, or its text parts (`[{"type": "text", "text": ...}]`) joined."""
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
 
 
 def special_tokens(config: dict) -> dict[str, str]:

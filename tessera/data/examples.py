@@ -41,22 +41,19 @@ class ExampleFormat:
         """The example(s) of a record; TemplateError (a bad record) saying what is wrong with it."""
         if self.kind == "prompt_completion":
             return [self._prompt_completion(row)]
-        messages = row.get(self.messages_field)
+        field = self.messages_field
+        if field not in row and field == "messages" and SHAREGPT in row:  # a ShareGPT record
+            field = SHAREGPT
+        messages = row.get(field)
         if messages is None:
             raise chat.TemplateError(f"no field {self.messages_field!r} (training.dataset_messages_field)")
         if not isinstance(messages, list) or not messages:
-            raise chat.TemplateError(f"{self.messages_field!r} is not a non-empty list of messages")
-        for k, m in enumerate(messages, 1):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise chat.TemplateError(f"message {k} is not an object with string 'role' and 'content'")
-            if m["role"] not in chat.ROLES:
-                raise chat.TemplateError(f"message {k} has role {m['role']!r}, not one the templates know "
-                                         f"({', '.join(chat.ROLES)})")
-            if m["role"] == "assistant" and not m["content"].strip():
-                raise chat.TemplateError(f"message {k} is an empty assistant turn")
+            raise chat.TemplateError(f"{field!r} is not a non-empty list of messages")
+        messages = [_message(k, m) for k, m in enumerate(messages, 1)]
         if self.assistant_only and not any(m["role"] == "assistant" for m in messages):
             raise chat.TemplateError("no assistant turn: nothing to train (training.assistant_only_loss)")
-        return self.template.conversation(messages, self.assistant_only)
+        context = chat.Context(**{key: _objects(row, key) for key in ("tools", "documents")})
+        return self.template.conversation(messages, self.assistant_only, context)
 
     def _prompt_completion(self, row: dict) -> chat.Rendered:
         prompt, completion = row.get(PROMPT), row.get(COMPLETION)
@@ -133,6 +130,49 @@ def examples(fmt: ExampleFormat, dataset: str, path: str, split: str, seed: int,
 
 
 # --- tokens --------------------------------------------------------------------------------------------------
+
+SHAREGPT = "conversations"  # ShareGPT's records: {"conversations": [{"from": "human", "value": ...}, ...]}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
+
+
+def _message(k: int, m) -> dict:
+    """Message `k` of a record as the templates take it (a ShareGPT one's `from` and `value` as role and content),
+    or TemplateError saying what is wrong with it."""
+    if isinstance(m, dict) and "from" in m and "role" not in m:
+        if m["from"] not in SHAREGPT_ROLES:
+            raise chat.TemplateError(f"message {k} is from {m['from']!r}, not one of ShareGPT's roles "
+                                     f"({', '.join(SHAREGPT_ROLES)})")
+        m = {"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value"),
+             **{key: v for key, v in m.items() if key not in ("from", "value")}}
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise chat.TemplateError(f"message {k} is not an object with a string 'role'")
+    if m["role"] not in chat.ROLES:
+        raise chat.TemplateError(f"message {k} has role {m['role']!r}, not one the templates know "
+                                 f"({', '.join(chat.ROLES)})")
+    content, calls = m.get("content"), m.get("tool_calls")
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise chat.TemplateError(f"message {k} has a {kind!r} content part; only text parts are trained on")
+    elif content is not None and not isinstance(content, str):
+        raise chat.TemplateError(f"message {k}'s 'content' is neither a string nor a list of text parts")
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise chat.TemplateError(f"message {k}'s 'tool_calls' is not a list of objects")
+    if m["role"] == "assistant" and not chat.text_of(content).strip() and not calls:
+        raise chat.TemplateError(f"message {k} is an empty assistant turn")
+    if content is None and not calls:
+        raise chat.TemplateError(f"message {k} has no 'content'")
+    return m
+
+
+def _objects(row: dict, key: str) -> list | None:
+    """A record's `tools` or `documents`: a list of objects, or None."""
+    value = row.get(key)
+    if value is not None and (not isinstance(value, list) or not all(isinstance(v, dict) for v in value)):
+        raise chat.TemplateError(f"{key!r} is not a list of objects")
+    return value
+
 
 def encode_examples(tok: Tokenizer, rendered: list[chat.Rendered]) -> list[np.ndarray]:
     """Each example as int32 `[bos] + ids`, its untrained tokens marked. A template's text with no EOS to insert

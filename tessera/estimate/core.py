@@ -122,7 +122,8 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
         raise ConfigError(f"model.name: {cfg.model.name} brings its own batches; tessera.estimate traces the token "
                           f"models ({', '.join(n for n in models.FAMILIES if n != cfg.model.name)})")
     args, t, grad_accum = run.args, cfg.training, run.batch.accumulation  # the architecture validate resolved
-    bos = build_tokenizer(cfg.model.hf_assets_path).bos_id if cfg.model.attn_mask_type == "block_causal" else None
+    bos = build_tokenizer(cfg.model.hf_assets_path).bos_id if run.cfg.model.attn_mask_type == "block_causal" \
+        else None
     build = functools.partial(_build, spec, args, device == "cuda")
     kinds = _whole(cfg, dims, args, spec, run.batch, bos, sampling, build) if dims.pp == 1 else \
         _pipelined(cfg, dims, args, spec, run.batch, sampling, build)

@@ -22,6 +22,7 @@ CHECKS = (
     resume.resume_point,  # resolves draft.resume and draft.args (the tokenizer's vocabulary not yet in)
     options.tokenizer_file,
     data.plan,  # resolves draft.data
+    data.attention_mask,  # resolves draft.cfg's model.attn_mask_type (auto)
     data.dataset,
     resume.tokenizer_vocab,
     resume.data_fingerprint,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import logging
 import os
 
 from tessera.config import ConfigError
 from tessera.preflight.draft import Draft
 from tessera.run_plan import DataPlan
+
+log = logging.getLogger("tessera")
 
 
 def plan(d: Draft) -> None:
@@ -19,6 +23,19 @@ def plan(d: Draft) -> None:
     d.data = DataPlan(own=own, prepared=not own and tokens.wanted(d.cfg.training),
                       resumes_position=resume is not None and resume.kind == "full"
                       and "dataloader" not in d.cfg.checkpoint.exclude_from_loading)
+
+
+def attention_mask(d: Draft) -> None:
+    """Resolves model.attn_mask_type = auto in draft.cfg: block_causal for chat and prompt-completion examples (each
+    example its own document), causal otherwise. Causal asked for on examples runs, with a line saying what it
+    means."""
+    m, examples = d.cfg.model, not d.data.own and d.cfg.training.dataset_format != "text"
+    if m.attn_mask_type == "auto":
+        d.cfg = dataclasses.replace(d.cfg, model=dataclasses.replace(
+            m, attn_mask_type="block_causal" if examples else "causal"))
+    elif m.attn_mask_type == "causal" and examples:
+        log.warning(f"model.attn_mask_type: causal lets each packed {d.cfg.training.dataset_format} example attend "
+                    f"to the ones before it in its window; block_causal (the default for them) keeps it to itself")
 
 
 def dataset(d: Draft) -> None:
