@@ -6,9 +6,10 @@ A tokenizer folder whose tokenizer_config.json holds a `chat_template` is render
 text, tokenized once without added special tokens, gives the same ids. A template with `{% generation %}` tags
 marks the trained spans itself (transformers' assistant mask). Without them, an assistant turn's span is what
 rendering the conversation up to it adds after the generation prompt of the conversation before it (its content
-and the template's end of turn, not the header). A template whose rendering of the first turns is not the start of the whole conversation's (one
-that drops earlier turns' reasoning, like Qwen 3's) gives one example per assistant turn instead: that turn's
-conversation so far, only that turn trained, as the model sees it when it answers.
+and the template's end of turn, not the header). A template whose rendering of the first turns is not the start
+of the whole conversation's (one that drops earlier turns' reasoning, like Qwen 3's) gives one example per
+assistant turn instead: that turn's conversation so far, only that turn trained, as the model sees it when it
+answers.
 
 Tokenizers without a template (the built-in byte tokenizer included) use the plain template (PLAIN): each
 message is `ROLE: CONTENT` and a newline; an assistant turn's header `assistant: ` is not trained, its content and
