@@ -24,6 +24,7 @@ CHECKS = (
     data.plan,  # resolves draft.data
     data.attention_mask,  # resolves draft.cfg's model.attn_mask_type (auto)
     data.dataset,
+    resume.tokenizer,  # resolves draft.tokenizer_vocab
     resume.tokenizer_vocab,
     resume.data_fingerprint,
     resume.vocabulary,  # resolves draft.args, final

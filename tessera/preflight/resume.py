@@ -41,16 +41,21 @@ def resume_point(d: Draft) -> None:
     d.args = architecture.resolve(architecture.request(d.family, cfg), None, d.resume.path if d.resume else None)
 
 
+def tokenizer(d: Draft) -> None:
+    """Resolves draft.tokenizer_vocab: the vocabulary of the tokenizer the ranks load (model.hf_assets_path's, else
+    the built-in one), read once for the checks after it."""
+    from tessera.data.tokenizer import build_tokenizer
+
+    d.tokenizer_vocab = build_tokenizer(d.cfg.model.hf_assets_path).vocab_size
+
+
 def tokenizer_vocab(d: Draft) -> None:
     """Resuming: the tokenizer's vocabulary fits the checkpoint's model, and is the one it was trained with where
     the flavor takes the tokenizer's; refused here rather than by the ranks once they have loaded it."""
-    cfg, resume = d.cfg, d.resume
+    cfg, resume, vocab = d.cfg, d.resume, d.tokenizer_vocab
     if d.data.own or not cfg.model.hf_assets_path or resume is None:
         return
-    from tessera.data.tokenizer import HFTokenizer
-
-    vocab, path = HFTokenizer(cfg.model.hf_assets_path).vocab_size, os.path.join(cfg.model.hf_assets_path,
-                                                                                 "tokenizer.json")
+    path = os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
     takes = cfg.model.flavor in d.family.takes_tokenizer_vocab
     if vocab > d.args.vocab_size or (takes and vocab != d.args.vocab_size):
         raise ConfigError(f"model.hf_assets_path: the tokenizer {path} has {vocab} tokens, but the model of the "
@@ -60,11 +65,8 @@ def tokenizer_vocab(d: Draft) -> None:
 
 def vocabulary(d: Draft) -> None:
     """Resolves the architecture the ranks build, final: for a flavor that takes it, with the vocabulary of the
-    tokenizer they load (model.hf_assets_path's, else the built-in one), checked against the flavor's,
-    config.json's or the resumed checkpoint's (the checks before it name a changed tokenizer more plainly)."""
-    from tessera.data.tokenizer import build_tokenizer
-
-    d.tokenizer_vocab = build_tokenizer(d.cfg.model.hf_assets_path).vocab_size
+    tokenizer they load, checked against the flavor's, config.json's or the resumed checkpoint's (the checks before
+    it name a changed tokenizer more plainly)."""
     d.args = architecture.resolve(architecture.request(d.family, d.cfg), d.tokenizer_vocab,
                                   d.resume.path if d.resume else None)
 
