@@ -110,9 +110,11 @@ def root_plan(embedding: str, norm: str, output: str, loss_parallel: bool) -> di
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: list[tuple[nn.Module, dict]]) -> None:
-    """`root`'s plan on the model, then each block's own (a block with experts gets another FFN plan)."""
-    parallelize_module(model, mesh, root)
-    for name, module in model.named_modules():  # a pipeline stage lacks some of the root's modules
+    """`root`'s plan on the model, then each block's own (a block with experts gets another FFN plan). A pipeline
+    stage lacks some of the root's modules: their entries are left out (torch warns of each, the model printed)."""
+    present = dict(model.named_modules())
+    parallelize_module(model, mesh, {name: style for name, style in root.items() if name in present})
+    for name, module in present.items():
         style = root.get(name)
         if isinstance(style, RowwiseParallel) and style.use_local_output:
             module.register_forward_hook(_settle)
