@@ -49,7 +49,7 @@ def batch_of(cfg: JobConfig, dims: ParallelDims, groups: int) -> Batch:
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint a run resumes from, as the pre-check found it (the ranks check its content, unless
-    `content_checked`, and skip it for an older one if it is damaged: tessera.checkpoint.manager.confirm_resume)."""
+    `content_checked`, and skip it for an older one if it is damaged: tessera.checkpoint.resume.confirm_resume)."""
     step: int
     path: str
     kind: str | None  # the marker's: "full" (model, optimizer, data position...) or "model" (weights only)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import experts
-from tessera.checkpoint.manager import Checkpointer, confirm_resume, probe_writable, write_run_record
+from tessera.checkpoint.manager import Checkpointer, probe_writable, write_run_record
+from tessera.checkpoint.resume import confirm_resume
 from tessera.checkpoint.run_state import Progress, Saved
 from tessera.config import JobConfig
 from tessera.data import build_dataloader, build_tokenizer

@@ -295,7 +295,7 @@ def test_ranks_resume_the_planned_checkpoint_and_one_process_reads_it_once(tmp_p
     """The ranks load the checkpoint their pre-check planned (validate's `resume`), not one they choose again; a
     one-process run, whose pre-check has read that checkpoint whole against its checksums, does not read it again."""
     from tessera.checkpoint import folder
-    from tessera.checkpoint.manager import confirm_resume
+    from tessera.checkpoint.resume import confirm_resume
     from tessera.preflight import validate
     from tessera.train import main
 
@@ -321,7 +321,7 @@ def test_each_run_says_each_skip_once(tmp_path, skipped):
     """What a run has warned is the run's, not the process's: a run's repeated look-ups (a content check that
     fails sends it back to the folders) say each skip once, and the next run in the same process says them again."""
     from tessera.checkpoint.folder import write_marker
-    from tessera.checkpoint.manager import find_resume
+    from tessera.checkpoint.resume import find_resume
 
     root = tmp_path / "checkpoint"
     for step in (2, 4, 5):
@@ -341,7 +341,7 @@ def test_each_run_says_each_skip_once(tmp_path, skipped):
 @pytest.mark.fast
 def test_a_corrupt_marker_is_called_corrupt(tmp_path, skipped):
     from tessera.checkpoint.folder import damage, write_marker
-    from tessera.checkpoint.manager import find_resume
+    from tessera.checkpoint.resume import find_resume
 
     root = tmp_path / "checkpoint"
     for step in (2, 3):

@@ -75,7 +75,7 @@ def test_every_checkpoint_damaged_is_refused_and_never_overwritten(tmp_path, cap
     nothing written; the ranks' own look-up (sizes checked before them) refuses the same; with
     checkpoint.start_fresh_if_all_damaged the run trains from step 0 and the damaged ones are kept aside."""
     from tessera.checkpoint.folder import digest_file
-    from tessera.checkpoint.manager import find_resume
+    from tessera.checkpoint.resume import find_resume
     from tessera.config import ConfigError
     from tessera.schema import parse_args
     from tessera.train import main
