@@ -224,6 +224,7 @@ def _refused(capsys, *args: str) -> str:
 def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
     from tessera.config import parse_args
     from tessera.ft import check
+    from tessera.preflight import validate
 
     dump = ["--job.dump_folder", str(tmp_path)]
     import socket
@@ -242,7 +243,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, lighthouse, capsys):
     assert _refused(capsys, *dump, *ft_flags(lighthouse, 0, min_size=3)).startswith(
         "tessera: fault_tolerance.min_replica_size: 3 is more than group_size 2")
     # A running group 0 (its lock held here, as its rank 0 holds it), with its files.
-    running = check.place_group(parse_args(merge(TINY, dump, ft_flags(lighthouse, 0))))
+    running = validate(parse_args(merge(TINY, dump, ft_flags(lighthouse, 0))), 1).cfg  # as its ranks run it
     held = check.check_live(running, 1, hold=True)
     try:
         record = tmp_path / "replica_0" / "metrics.jsonl"

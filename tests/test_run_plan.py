@@ -26,7 +26,9 @@ TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_
 def test_fsdp_with_accumulation(tmp_path):
     cfg = parse_args(merge(TINY, ["--job.dump_folder", str(tmp_path), "--training.global_batch_size", "24"]))
     run = validate(cfg, 2)
-    assert run.cfg is cfg and run.family is models.family("llama3") is LLAMA3
+    # The config as it runs: model.attn_mask_type = auto resolved (causal for text); the one given left as it was.
+    assert run.cfg == dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask_type="causal"))
+    assert cfg.model.attn_mask_type == "auto" and run.family is models.family("llama3") is LLAMA3
     # Final: the tiny flavor takes its tokenizer's vocabulary, the built-in byte tokenizer's here (what ranks build).
     assert run.args == dataclasses.replace(LLAMA3.flavors["tiny"], max_seq_len=32, vocab_size=ByteTokenizer.vocab_size)
     assert run.dims == ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2)
