@@ -10,7 +10,7 @@ import torch
 
 from tessera.optim import lr_lambda
 from tessera.train import train
-from tests.dist_worker import _trainer, full_params, run_train
+from tests.dist_worker import BASE, _trainer, full_params, run_train
 from tests.launch import merge, resume_copy
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
@@ -36,11 +36,20 @@ def test_optimizer_settings_changed_on_resume_are_applied(tmp_path, warnings_log
     changed = ["--optimizer.lr", "1e-3", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9", "--optimizer.eps",
                "1e-6", "--optimizer.weight_decay", "0.3", "--optimizer.name", "Adam"]
     same = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "same", 4)), *CKPT], 6)
+    assert not [w for w in warnings_logged if "attn_mask_type" in w]  # auto resolves to what it trained with
     warnings_logged.clear()
     new = run_train(["--job.dump_folder", str(resume_copy(tmp_path / "run", tmp_path / "new", 4)), *CKPT,
                      *changed], 6)
     assert new["start"] == same["start"] == 4
     said = [w for w in warnings_logged if w.startswith("optimizer: ")]
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+
+    masked = merge(BASE, ["--job.dump_folder", str(tmp_path / "new"), *CKPT, "--training.steps", "8",
+                          "--model.attn_mask_type", "block_causal"])
+    assert validate(parse_args(masked), 1).cfg.model.attn_mask_type == "block_causal"  # applied, and said:
+    assert warnings_logged[-1] == (f"model.attn_mask_type: the checkpoint at {tmp_path}/new/checkpoint/step-6 "
+                                   f"trained with causal, this run goes on with block_causal")
     assert len(said) == 1 and said[0].startswith("optimizer: name AdamW -> Adam, lr 0.003 -> 0.001, beta1 0.9 -> "
                                                  "0.8, beta2 0.95 -> 0.9, eps 1e-08 -> 1e-06, weight_decay 0.1 -> "
                                                  "0.3 since the checkpoint at "), said
