@@ -36,10 +36,8 @@ def attention_mask(d: Draft) -> None:
     elif m.attn_mask_type == "causal" and examples:
         log.warning(f"model.attn_mask_type: causal lets each packed {d.cfg.training.dataset_format} example attend "
                     f"to the ones before it in its window; block_causal (the default for them) keeps it to itself")
-    if d.resume is not None and d.resume.kind == "full":  # a change on resume is applied, and said
-        from tessera.checkpoint.folder import read_saved_config
-
-        saved = read_saved_config(d.resume.path).get("model", {}).get("attn_mask_type", "causal")
+    if d.resumed_config is not None:  # a change on resume is applied, and said
+        saved = d.resumed_config.get("model", {}).get("attn_mask_type", "causal")
         if saved != (now := d.cfg.model.attn_mask_type):
             log.warning(f"model.attn_mask_type: the checkpoint at {d.resume.path} trained with {saved}, this run "
                         f"goes on with {now}")

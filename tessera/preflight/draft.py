@@ -24,5 +24,6 @@ class Draft:
     tokenizer_vocab: int | None = None  # the tokenizer's (the built-in one's without model.hf_assets_path)
     resume: ResumePoint | None = None
     damaged: tuple[Damaged, ...] = ()  # the complete checkpoints skipped as damaged on the way to `resume`
+    resumed_config: dict | None = None  # the config.toml of the full checkpoint resumed, read once
     data: DataPlan | None = None
     dims: ParallelDims | None = None

@@ -26,10 +26,11 @@ def resume_point(d: Draft) -> None:
         d.damaged = tuple(damaged)
     if found is not None and found[2].get("kind") == "full":
         step, path, _ = found
+        d.resumed_config = read_saved_config(path)
         if "dataloader" not in cfg.checkpoint.exclude_from_loading:
-            check_resumed_data(cfg, path, read_saved_config(path).get("training", {}))
+            check_resumed_data(cfg, path, d.resumed_config.get("training", {}))
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
-            _check_resumed_optimizer(cfg, path, read_saved_config(path).get("optimizer", {}))
+            _check_resumed_optimizer(cfg, path, d.resumed_config.get("optimizer", {}))
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
