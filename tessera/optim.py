@@ -17,7 +17,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, role=None) -> torch.optim.
     # Fused kernels exist for CUDA and CPU and take DTensor (FSDP/TP) params; on a 2-core CPU the fused
     # AdamW step of debugmodel takes 5 ms against 13-20 ms for foreach and the per-tensor loop.
     impl = "fused" if cfg.implementation == "auto" else cfg.implementation
-    params = model.parameters() if role is None else param_groups(model, cfg, role)
+    params = [p for p in model.parameters() if p.requires_grad] if role is None else param_groups(model, cfg, role)
     if cfg.name == "Muon":
         return Muon(params, muon_settings(cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                     weight_decay=cfg.weight_decay, fused=impl == "fused", foreach=impl == "foreach")

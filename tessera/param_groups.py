@@ -58,6 +58,8 @@ def param_groups(model: nn.Module, cfg: Optimizer, role: Callable[[str, tuple[in
     those at optimizer.lr first, else in the order their first parameter comes; logs each group's roles and size."""
     groups: dict[Settings, dict] = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen (LoRA's base): no state
+            continue
         kind = role(bare_name(name), tuple(p.shape))
         s = settings(kind, cfg)
         group = groups.setdefault(s, {"params": [], "roles": {}, "numel": 0})

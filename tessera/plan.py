@@ -210,7 +210,8 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     t, p = cfg.training, cfg.parallelism
     table = args.vocab_size * args.dim
     stage = (counts.params - 2 * table) / dims.pp + (table if dims.pp > 1 else 2 * table)
-    states = 16 * stage / (dims.tp * dims.dp_shard * dims.cp)
+    trained = 4 if cfg.lora.rank else 16  # LoRA: the frozen base's weights alone (its adapters are a rounding)
+    states = trained * stage / (dims.tp * dims.dp_shard * dims.cp)
     if dims.pp > 1 and dims.dp_shard * dims.cp > 1 and not reduces_each_microbatch(cfg):  # torch's schedules keep
         # the stage gathered through backward
         states += 2 * stage / dims.tp

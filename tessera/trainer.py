@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import experts
+from tessera import experts, lora
 from tessera.checkpoint.manager import Checkpointer, probe_writable, write_run_record
 from tessera.checkpoint.resume import confirm_resume
 from tessera.checkpoint.run_state import Progress, Saved
@@ -167,6 +167,7 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
     `scale` is what the pipeline schedule's last stage applies."""
     with torch.device("meta"):
         model = spec.model(args)
+    lora.check_targets(model, cfg.lora)
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)
@@ -211,7 +212,8 @@ def build_side_losses(cfg: JobConfig, model: nn.Module, micro_batches: int,
 def _materialize(model: nn.Module, world: World, cfg: JobConfig) -> None:
     # FSDP CPU offload keeps sharded parameters in host memory.
     materialize(model, world.device, cfg.training.seed,
-                torch.device("cpu") if cfg.training.enable_cpu_offload else None)
+                torch.device("cpu") if cfg.training.enable_cpu_offload else None,
+                lora.initializer(cfg.lora, model.param_init))
 
 
 def uses_loss_parallel(cfg: JobConfig, world: World) -> bool:
@@ -278,7 +280,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
         accumulation=grad_accum) for split in splits})
     loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
     loader, val_loader = loaders["train"], loaders.get("validation")
-    counts = fam.counts(args, t.seq_len)  # of the whole model, whatever this rank holds
+    counts = lora.trained_counts(fam.counts(args, t.seq_len), cfg.lora)  # of the whole model, whatever this rank holds
     peak, peak_source = peak_flops(world.device)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters{f' ({counts.active:,} active)' if counts.active != counts.params else ''}, "

@@ -224,10 +224,19 @@ class Checkpointer:
         path = self._fresh_folder(os.path.join(self.root, EXPORTS, f"step-{step}"))
         dtype = DTYPES[self.c.export_dtype]
         digests = {}  # the HF writer's files (merged by rank 0 from every rank's shards) are read back instead
-        if self.c.last_save_in_hf:
+        lora = self.cfg.lora
+        if self.c.last_save_in_hf and lora.rank and not lora.merge_on_export:
+            from tessera.checkpoint.peft import save_peft
+            base = self.c.initial_load_path if self.c.initial_load_in_hf else None
+            save_peft(model_state(tr.model), lora, self.cfg.model.name, path, dtype,
+                      os.path.abspath(base) if base else None)
+            kind = "peft"
+        elif self.c.last_save_in_hf:
             from tessera.checkpoint.hf import save_hf
-            save_hf(model_state(tr.model), self.model_args, path, dtype=dtype, family=self.cfg.model.name,
-                    bos_id=tr.bos_id, eos_id=tr.eos_id,
+            from tessera.checkpoint.peft import merged_state
+            state = model_state(tr.model)
+            save_hf(merged_state(state, lora) if lora.rank else state, self.model_args, path, dtype=dtype,
+                    family=self.cfg.model.name, bos_id=tr.bos_id, eos_id=tr.eos_id,
                     carry_from=self.c.initial_load_path if self.c.initial_load_in_hf else None)
             kind = "hf"
         else:
@@ -237,7 +246,8 @@ class Checkpointer:
             digests, kind = writer.digests, "model"
         if self.rank == 0:
             write_marker(path, step, kind, {**digests, **write_run_record(path, self.cfg, self.model_args)})
-        log.info(f"exported the model ({'Hugging Face' if kind == 'hf' else 'DCP'}, {self.c.export_dtype}) to {path}")
+        what = {"hf": "Hugging Face", "peft": "LoRA adapters, PEFT", "model": "DCP"}[kind]
+        log.info(f"exported the model ({what}, {self.c.export_dtype}) to {path}")
         return path
 
     def save_seed(self) -> None:
@@ -347,11 +357,17 @@ class Checkpointer:
             step, path, marker = resume  # content-checked by confirm_resume
             self.verified.add(path)
             full = marker["kind"] == "full"
+            if full and self.cfg.lora.rank and self.c.initial_load_path:
+                self._initial_load()  # the base, which a LoRA run's checkpoints leave out
             self._load(path, model_only=not full)
             log.info(f"resumed from checkpoint step {step} at {path}" if full else
                      f"initialized from the weights-only checkpoint at {path}; training starts at step 0")
         elif self.c.enable and self.c.initial_load_path:
             self._initial_load()
+        if (resume is None or resume[2]["kind"] != "full") and self.cfg.lora.initial_adapter_path:
+            from tessera.checkpoint.peft import load_peft
+            load_peft(self.parts.model, self.cfg.lora.initial_adapter_path, self.cfg.model.name)
+            log.info(f"LoRA adapters from {self.cfg.lora.initial_adapter_path}")
 
     def _initial_load(self) -> None:
         path = self.c.initial_load_path

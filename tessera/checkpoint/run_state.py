@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from tessera.checkpoint.plain import model_state, optimizer_state
 from tessera.config import ConfigError
 from tessera.optim import keep_settings
+from tessera.parallel.init import bare_name
 from tessera.tensors import like, local
 
 DATA = "dataloader"  # the part a replica group sends as of the start of the step it runs (ft/replicas.py)
@@ -59,17 +60,20 @@ def _taker(copy: bool):
 
 
 class ModelPart(Part):
-    """The weights and buffers (an MoE model's expert biases, which the balancer updates)."""
+    """The weights and buffers (an MoE model's expert biases, which the balancer updates), but not the frozen
+    weights (LoRA's base), which come from checkpoint.initial_load_path or the seed as the run starts."""
     name, laid_out = "model", True
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.frozen = frozenset(bare_name(n) for n, p in model.named_parameters() if not p.requires_grad)
 
     def state_dict(self) -> dict:
-        return model_state(self.model)  # plain tensors, whatever wraps the weights
+        state = model_state(self.model)  # plain tensors, whatever wraps the weights
+        return {k: v for k, v in state.items() if k not in self.frozen}
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.frozen))
 
     def local_state_dict(self, copy: bool) -> dict:
         take = _taker(copy)

@@ -321,6 +321,27 @@ class Quantize:
     linear: QuantizeLinear = field(default_factory=QuantizeLinear)
 
 
+LORA_INITS = ("default", "gaussian")
+
+
+@dataclass
+class Lora:
+    rank: int = opt(0, "rank of the low-rank adapters beside the target linears; 0: no LoRA, every weight trains. "
+                       "With LoRA the base weights are frozen: no gradients, no optimizer state", min=0)
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", min=0.0)
+    dropout: float = opt(0.0, "dropout on the adapters' input while training", min=0.0, max=1.0)
+    target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "linears that get an adapter, by the end of their "
+                                    "names: wq, attention.wo, feed_forward.w1, ...")
+    init: str = opt("default", "A from a Kaiming-uniform (default, as PEFT) or N(0, 1/rank) (gaussian); B is zero, "
+                               "so training starts from the base model", choices=LORA_INITS)
+    initial_adapter_path: str = opt("", "a PEFT folder (adapter_config.json, adapter_model.safetensors) whose adapters "
+                                         "a fresh run starts from, on the base of checkpoint.initial_load_path; its r "
+                                         "and lora_alpha must be lora.rank and lora.alpha")
+    merge_on_export: bool = opt(False, "Hugging Face exports (checkpoint.last_save_in_hf) fold the adapters into the "
+                                       "base weights; otherwise they are a PEFT folder (adapter_config.json, "
+                                       "adapter_model.safetensors) for peft to load onto the base model")
+
+
 @dataclass
 class Generate:
     prompt: str = opt("", "text to continue (python -m tessera.generate); after the tokenizer's BOS")
@@ -403,6 +424,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
+    lora: Lora = field(default_factory=Lora)
     generate: Generate = field(default_factory=Generate)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 

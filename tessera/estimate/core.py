@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
 
-from tessera import models
+from tessera import lora, models
 from tessera.config import ConfigError, JobConfig
 from tessera.data import build_tokenizer
 from tessera.estimate import pipeline, scans, trace
@@ -130,7 +130,7 @@ def estimate(cfg: JobConfig, world_size: int, device: str = "cuda", cluster: Clu
     if t.enable_cpu_offload:
         for k in kinds:
             k.peak -= k.params + k.optimizer
-    counts = fam.counts(args, t.seq_len)
+    counts = lora.trained_counts(fam.counts(args, t.seq_len), cfg.lora)
     cluster = cluster or Cluster()
     time = step_time(cfg, dims, args, counts, grad_accum, cluster)
     name = layout_name(dims, cfg.parallelism.context_parallel_method)

@@ -216,8 +216,8 @@ class StageTrace:
 
 def optimizer_bytes(module: nn.Module, state_dtype: str = "float32") -> int:
     """AdamW/Adam keeps exp_avg and exp_avg_sq like each parameter (its local shard), or in bf16
-    (optimizer.state_dtype), and a step count."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    (optimizer.state_dtype), and a step count; of the parameters that train (LoRA's adapters, its base frozen)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.requires_grad]
     return sum(state_bytes(p.numel() * p.element_size(), p.numel(), state_dtype) for p in local)
 
 

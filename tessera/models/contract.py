@@ -147,6 +147,7 @@ class Family:
     # it needs of the rest, before any rank starts; ValueError "key: why; fix"
     moved_options: Mapping[str, str] = field(default_factory=dict)  # {old key elsewhere: its option}: older configs
     # still load, with one warning line
+    lora: bool = True  # its plan adds [lora]'s adapters (tessera.lora.apply_lora); False: [lora] is refused
     own_data: bool = False  # it brings its own data (ModelSpec.training) and checks it in `check`, in place of the text
     # data's checks
     metrics: Mapping[str, str] = field(default_factory=dict)  # {metric it adds: its label on the console line}

@@ -7,6 +7,7 @@ as the bare model spells them: wrappers (activation checkpointing, torch.compile
 """
 
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,18 +24,21 @@ def bare_name(name: str) -> str:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None) -> None:
-    """`param_device`: where parameters live when not on `device` (CPU under FSDP CPU offload).
+def materialize(model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None,
+                init: Callable | None = None) -> None:
+    """`param_device`: where parameters live when not on `device` (CPU under FSDP CPU offload); `init`: (name,
+    full tensor, generator) filling it, by default the model's param_init.
 
     Values are generated on `device` either way, so offloading does not change them.
     """
+    init = init or model.param_init
     model.to_empty(device=param_device or device)
     model.init_buffers(device)
     for name, param in model.named_parameters():
         name = bare_name(name)
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
-        model.param_init(name, full, gen)
+        init(name, full, gen)
         if isinstance(param, DTensor):
             # Every rank generated the same full tensor, so each slices locally: no communication.
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

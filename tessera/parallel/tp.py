@@ -122,6 +122,23 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, root: dict, blocks: list[tuple[
         parallelize_module(module, mesh, plan)
 
 
+def place_adapters(model: nn.Module, mesh: DeviceMesh) -> None:
+    """LoRA's adapters (tessera.lora) beside the linears TP split, on the meta device: a column-wise weight (its rows
+    split) splits B's rows and repeats A, a row-wise one (its columns split) splits A's columns and repeats B; so
+    each rank's update is its share of B A x, as its weight's output is (ColwiseParallel split every parameter of its
+    linear by rows, RowwiseParallel left them whole)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "lora_a", None) is None or not isinstance(weight, DTensor):
+            continue
+        rows = weight.placements[0] == Shard(0)
+        for name, placement in (("lora_a", Replicate() if rows else Shard(1)), ("lora_b", Shard(0) if rows else
+                                                                                Replicate())):
+            p = getattr(module, name)
+            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [placement])))
+
+
 def _settle(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
     """A row-wise module's local output is still an AsyncCollectiveTensor (its reduce-scatter in flight). A
     compiled block that takes one as input loses its gradient's DTensor wrapping in backward (torch 2.13:

@@ -44,6 +44,7 @@ CHECKS = (
     options.activation_checkpoint,
     options.compile,
     options.muon,
+    options.lora,
     options.live_memory,
     layout.vocabulary,
 )

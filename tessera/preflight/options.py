@@ -3,6 +3,7 @@ checkpoints, Float8 / MX, activation checkpointing, compile, Muon, live memory).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -202,6 +203,36 @@ def muon(d: Draft) -> None:
     if cfg.optimizer.name == "Muon" and cfg.training.enable_cpu_offload:
         raise ConfigError("optimizer.name: Muon sends matrix shards between ranks' devices at each step, and "
                           "training.enable_cpu_offload keeps them in host memory; use AdamW with CPU offload")
+
+
+def lora(d: Draft) -> None:
+    cfg = d.cfg
+    if not cfg.lora.rank:
+        return
+    if not d.family.lora:
+        raise ConfigError(f"lora.rank: {cfg.model.name} takes no adapters (its plan places none); set lora.rank = 0 "
+                          f"to train the whole model")
+    if cfg.optimizer.name == "Muon":
+        raise ConfigError("optimizer.name: Muon orthogonalizes whole weight matrices, and LoRA trains low-rank "
+                          "adapters beside frozen ones; use AdamW with lora.rank > 0")
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules: empty; name the linears to adapt, e.g. [\"wq\", \"wv\"]")
+    if cfg.lora.initial_adapter_path:
+        saved = _peft_config(cfg.lora.initial_adapter_path)
+        for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
+            if saved.get(theirs) != getattr(cfg.lora, ours):
+                raise ConfigError(f"lora.{ours}: {getattr(cfg.lora, ours)}, but the adapters of "
+                                  f"lora.initial_adapter_path '{cfg.lora.initial_adapter_path}' have {theirs} = "
+                                  f"{saved.get(theirs)}; set lora.{ours} = {saved.get(theirs)}")
+
+
+def _peft_config(folder: str) -> dict:
+    files = ("adapter_config.json", "adapter_model.safetensors")
+    if not all(os.path.isfile(os.path.join(folder, f)) for f in files):
+        raise ConfigError(f"lora.initial_adapter_path: no {' and '.join(files)} in '{folder}'; give a folder that "
+                          f"PEFT's save_pretrained (or a Tessera LoRA export) wrote")
+    with open(os.path.join(folder, files[0])) as f:
+        return json.load(f)
 
 
 def live_memory(d: Draft) -> None:

@@ -31,6 +31,7 @@ def resume_point(d: Draft) -> None:
             check_resumed_data(cfg, path, d.resumed_config.get("training", {}))
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_optimizer(cfg, path, d.resumed_config.get("optimizer", {}))
+        _check_resumed_lora(cfg, path, d.resumed_config.get("lora", {}))
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
@@ -87,6 +88,21 @@ OPTIMIZER_STATE = ("weight_decay_exclude", "embedding_lr_multiplier", "output_lr
 
 
 _STATE_KIND = {"Adam": "moments", "AdamW": "moments"}  # optimizers whose saved state the other can load
+
+
+def _check_resumed_lora(cfg, path: str, saved: dict) -> None:
+    """The adapters a checkpoint holds are those of its rank and targets (and none without LoRA); alpha and dropout
+    change with a line."""
+    ours, defaults = dataclasses.asdict(cfg.lora), dataclasses.asdict(type(cfg.lora)())
+    theirs = {key: saved.get(key, defaults[key]) for key in ours}
+    for key in ("rank", "target_modules"):
+        if ours[key] != theirs[key] and (ours["rank"] or theirs["rank"]):
+            raise ConfigError(f"lora.{key}: {ours[key]!r}, but the checkpoint at {path} holds adapters of "
+                              f"lora.{key} = {theirs[key]!r}; set it back to resume, or start in another "
+                              f"job.dump_folder from checkpoint.initial_load_path")
+    for key in ("alpha", "dropout"):
+        if ours["rank"] and ours[key] != theirs[key]:
+            log.warning(f"lora.{key}: {theirs[key]} in the checkpoint at {path}, {ours[key]} from here on")
 
 
 def _check_resumed_optimizer(cfg, path: str, saved: dict) -> None:

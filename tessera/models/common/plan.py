@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.config import JobConfig
 from tessera.distributed import World
+from tessera.lora import apply_lora, freeze_base
 from tessera.models.common.moe import MoE
 from tessera.parallel.ac import apply_ac
 from tessera.parallel.compile import apply_compile
@@ -16,7 +17,15 @@ from tessera.parallel.cp import apply_cp
 from tessera.parallel.ep import apply_ep
 from tessera.parallel.fsdp import apply_fsdp, mixed_precision
 from tessera.parallel.quantize import apply_converters
-from tessera.parallel.tp import apply_tp, attention_plan, enable_async_tp, ffn_plan, local_tokens, root_plan
+from tessera.parallel.tp import (
+    apply_tp,
+    attention_plan,
+    enable_async_tp,
+    ffn_plan,
+    local_tokens,
+    place_adapters,
+    root_plan,
+)
 
 NORMS = ("attention_norm", "ffn_norm")
 DECODER_BLOCK_TP_PLAN = attention_plan("attention", ("wq", "wk", "wv"), "wo", NORMS)
@@ -39,6 +48,7 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
     p = cfg.parallelism
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     apply_converters(model, cfg, world.device, high_precision)
+    apply_lora(model, cfg.lora)  # after the converters, which swap the linears
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
         plan_of = block_tp_plan if callable(block_tp_plan) else lambda _: block_tp_plan  # per block (hybrids)
@@ -46,6 +56,7 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
                   for b in (*model.layers.values(), *(more_blocks or {}).values())]
         apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
                  [*blocks, *more_tp])
+        place_adapters(model, tp_mesh)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if world.dims.ep > 1:
@@ -69,6 +80,8 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
                    reduce_dtype=reduce_dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
                    cpu_offload=cfg.training.enable_cpu_offload, inner=tuple(inner),
                    inner_divide=world.dims.dp * world.dims.cp, idle=more_units if idle else (), by_rows=by_rows)
+    if cfg.lora.rank:
+        freeze_base(model)  # last: TP's plans made new parameters, which train
     return model
 
 

@@ -44,4 +44,4 @@ FAMILY = Family(name="flux", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(),
                 check_layout=check_layout, embedding="x_embedder.weight", output="proj_out.weight",
                 high_precision=("proj_out",),
                 torch_side="tessera.models.flux.spec:SPEC", hf_model_type=hf.CLASS_NAME,
-                options=FluxOptions, check=check, own_data=True)
+                options=FluxOptions, check=check, own_data=True, lora=False)

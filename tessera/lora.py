@@ -1,0 +1,108 @@
+"""LoRA: a trainable low-rank update beside chosen linears of a frozen model ([lora]).
+
+A target linear y = W x gets two parameters of its own, lora_a (rank x in) and lora_b (out x rank), and a forward
+hook adding (alpha / rank) * B A dropout(x) to its output. Registered on the linear itself, they are parameters
+like its weight: FSDP shards them with the block, a pipeline stage holds them with its layers, TP places them
+after its plan (tessera.parallel.tp.place_adapters), compile traces the hook, and a Float8 base linear (converted
+first) adds a high-precision adapter. B starts at zero, so a run starts from the base model's outputs.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ConfigError
+from tessera.config.sections import Lora
+from tessera.parallel.init import bare_name
+
+ADAPTERS = ("lora_a", "lora_b")
+
+
+def is_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ADAPTERS
+
+
+def _names_end(fqn: str, name: str) -> bool:
+    return fqn == name or fqn.endswith("." + name)  # whole name parts: `wo` is not `w`
+
+
+def _linears(model: nn.Module):
+    return ((bare_name(fqn + ".").rstrip("."), m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear))
+
+
+def targets(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Linear]]:
+    """The linears whose bare names end with one of `names`."""
+    return [(fqn, m) for fqn, m in _linears(model) if any(_names_end(fqn, n) for n in names)]
+
+
+def check_targets(model: nn.Module, cfg: Lora) -> None:
+    """On the whole model (a pipeline stage lacks some linears): ConfigError for targets that match no linear and
+    a rank above a target's size."""
+    if cfg.rank == 0:
+        return
+    found = targets(model, cfg.target_modules)
+    if missing := [n for n in cfg.target_modules if not any(_names_end(f, n) for f, _ in found)]:
+        raise ConfigError(f"lora.target_modules: {', '.join(missing)} match(es) no linear of this model; name the "
+                          f"ends of linear names, e.g. {', '.join(_examples(model))}")
+    for fqn, linear in found:
+        if cfg.rank > min(linear.in_features, linear.out_features):
+            raise ConfigError(f"lora.rank: {cfg.rank} is above {fqn}'s size ({linear.out_features} x "
+                              f"{linear.in_features}); a rank of at most {min(linear.in_features, linear.out_features)}"
+                              f" adapts it, or leave {fqn.rsplit('.', 1)[-1]} out of lora.target_modules")
+
+
+def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
+    """Adapters on the target linears of `model` (on the meta device, before TP and FSDP); returns their names."""
+    if cfg.rank == 0:
+        return []
+    found = targets(model, cfg.target_modules)
+    for _, linear in found:
+        w = linear.weight
+        linear.register_parameter("lora_a", nn.Parameter(w.new_empty(cfg.rank, linear.in_features)))
+        linear.register_parameter("lora_b", nn.Parameter(w.new_empty(linear.out_features, cfg.rank)))
+        linear.register_forward_hook(functools.partial(_add_update, scale=cfg.alpha / cfg.rank, dropout=cfg.dropout))
+    return [fqn for fqn, _ in found]
+
+
+def _examples(model: nn.Module) -> list[str]:
+    return list(dict.fromkeys(fqn.rsplit(".", 1)[-1] for fqn, _ in _linears(model)))[:8]
+
+
+def _add_update(linear: nn.Module, args: tuple, out: torch.Tensor, *, scale: float, dropout: float) -> torch.Tensor:
+    x = F.dropout(args[0], dropout, linear.training) if dropout else args[0]
+    return out + scale * F.linear(F.linear(x, linear.lora_a), linear.lora_b)
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train (after parallelization, which makes new parameters of what it shards)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def initializer(cfg: Lora, base: Callable) -> Callable:
+    """tessera.parallel.init.materialize's `init`: adapters as [lora] init says, every other parameter by `base`
+    (the model's param_init)."""
+    def init(name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        if name.endswith(".lora_b"):
+            full.zero_()
+        elif name.endswith(".lora_a") and cfg.init == "gaussian":
+            full.normal_(0.0, 1.0 / cfg.rank, generator=gen)
+        elif name.endswith(".lora_a"):  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT: bound 1 / sqrt(in)
+            bound = 1.0 / math.sqrt(full.shape[1])
+            full.uniform_(-bound, bound, generator=gen)
+        else:
+            base(name, full, gen)
+    return init
+
+
+def trained_counts(counts, cfg: Lora):
+    """The model's counts (tessera.models.contract.Counts) as a LoRA run computes: backward skips the frozen
+    weights' gradients, 2 of the 6 FLOPs a weight costs a token (the adapters' own are a rounding)."""
+    if not cfg.rank:
+        return counts
+    return dataclasses.replace(counts, flops_per_token=counts.flops_per_token - 2 * (counts.active - counts.embedding))

@@ -1,0 +1,169 @@
+"""LoRA ([lora], tessera/lora.py): the base frozen, adapters beside the target linears, each layout equal to one
+process, and bad input refused in one line."""
+
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from tessera.config import ConfigError
+from tessera.preflight import validate
+from tessera.schema import parse_args
+from tests.dist_worker import BASE, _trainer
+from tests.launch import ROOT, assert_matches, merge, one_process, run_cases
+
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "wq,wv,attention.wo,feed_forward.w2"]
+BATCH = ["--training.local_batch_size", "8"]
+STEPS = 3
+
+
+def test_only_the_adapters_train_and_a_run_starts_from_the_base_model():
+    """B starts at zero: step 1's loss is the base model's. The base gets no gradient and no optimizer state; the
+    adapters' optimizer state is two moments of them. The adapted run learns (its loss falls over 12 steps)."""
+    from tessera.train import train_step
+
+    with tempfile.TemporaryDirectory() as base_dump, tempfile.TemporaryDirectory() as dump:
+        base = _trainer(BATCH, 1, base_dump)
+        tr = _trainer([*BATCH, *LORA, "--optimizer.lr", "1e-2"], 12, dump)
+        model = tr.step_parts.model
+        adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert adapters == {f"layers.{i}.{m}.{ab}" for i in range(2) for ab in ("lora_a", "lora_b")
+                            for m in ("attention.wq", "attention.wv", "attention.wo", "feed_forward.w2")}
+        assert train_step(tr)[0] == pytest.approx(train_step(base)[0], abs=1e-6)
+        grads = {n for n, p in model.named_parameters() if p.grad is not None}
+        assert grads == adapters
+        held = {p for group in tr.optimizer.param_groups for p in group["params"]}
+        assert held == {p for p in model.parameters() if p.requires_grad}
+        state_bytes = sum(t.numel() * t.element_size() for s in tr.optimizer.state.values() for t in s.values()
+                          if t.dim())
+        assert state_bytes == 2 * sum(p.numel() * p.element_size() for p in held)
+        losses = [train_step(tr)[0] for _ in range(11)]
+        assert sum(losses[-3:]) < sum(losses[:3]), losses
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        train_step(tr)
+        assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+
+@pytest.mark.ranks
+def test_layouts_equal_one_process():
+    """2 ranks: FSDP 2, TP 2 (+SP; column-wise wq/wv split B's rows, row-wise wo/w2 split A's columns), PP 2,
+    CP 2, FSDP 2 with full AC: losses, step-1 adapter gradients and final parameters within 1e-5; FSDP 2 with
+    Float8 base linears against one process with them: losses, grad norms and step-1 gradients within 1e-3."""
+    reference = one_process([*BATCH, *LORA], STEPS)
+    assert reference["grads"] and all(n.endswith(("lora_a", "lora_b")) for n in reference["grads"])
+    half = ["--training.local_batch_size", "4"]
+    cases = [[*half, *LORA], [*BATCH, *LORA, "--parallelism.tensor_parallel_degree", "2"],
+             [*BATCH, *LORA, "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_microbatch_size", "2"],
+             [*BATCH, *LORA, "--parallelism.context_parallel_degree", "2"],
+             [*half, *LORA, "--activation_checkpoint.mode", "full"]]
+    f8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+    *layouts, float8 = run_cases(2, [*cases, [*half, *LORA, *f8]], STEPS)
+    for got in layouts:
+        assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    # Float8 base linears: an input's scale is its rank's batch's amax, so emulated float8 rounds each rank's half of
+    # the batch apart from one process's whole batch: 1e-3, the Float8 tolerance of tests/test_speed_features.py.
+    assert_matches(float8, one_process([*BATCH, *LORA, *f8], STEPS), 1e-3, what=("grads",))
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--optimizer.name", "Muon"], "optimizer.name: Muon orthogonalizes whole weight matrices"),
+    (["--lora.target_modules", ""], "lora.target_modules: empty"),
+    (["--job.config_file", str(ROOT / "configs/flux_debug.toml")], "lora.rank: flux takes no adapters"),
+])
+def test_bad_settings_are_refused_before_ranks_start(argv, expect):
+    with pytest.raises(ConfigError, match=expect):
+        validate(parse_args(merge(LORA, argv)), 1)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--lora.target_modules", "wq,q_proj"], "lora.target_modules: q_proj match.es. no linear of this model; name "
+                                              "the ends of linear names, e.g. wq, wk, wv, wo, w1, w2, w3, output"),
+    (["--lora.rank", "100"], r"lora.rank: 100 is above layers.0.attention.wq's size \(64 x 64\)"),
+])
+def test_targets_and_ranks_the_model_cannot_take_are_refused_before_any_weight_exists(argv, expect):
+    with tempfile.TemporaryDirectory() as dump, pytest.raises(ConfigError, match=expect):
+        _trainer([*LORA, *argv], 1, dump)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["peft", "merged"])
+def test_the_export_loads_in_peft_or_transformers_with_the_same_logits(tmp_path, merged):
+    """The final Hugging Face export of a LoRA run: a PEFT folder that peft loads onto the transformers model of the
+    base (saved here; a run from a Hugging Face folder names it as base_model_name_or_path), or with
+    lora.merge_on_export the base weights with the updates folded in; logits within 1e-5 of Tessera's."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.checkpoint.hf import save_hf
+    from tessera.checkpoint.peft import base_state
+    from tessera.checkpoint.plain import model_state
+    from tessera.train import train
+
+    flags = [*BATCH, *LORA, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--optimizer.lr", "1e-2",
+             *(["--lora.merge_on_export"] if merged else [])]
+    tr = _trainer(flags, 3, str(tmp_path / "run"))
+    train(tr)
+    tr.metrics.close()
+    export, model = tmp_path / "run/checkpoint/exports/step-3", tr.step_parts.model.eval()
+    assert all(p.abs().min() > 0 for n, p in model.named_parameters() if n.endswith("lora_b"))  # B trained from 0
+    if merged:
+        theirs = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    else:
+        from peft import PeftModel
+
+        assert {p.name for p in export.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+        save_hf(base_state(model_state(model)), tr.model_args, tmp_path / "base", family="llama3")
+        theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base",
+                                                                                dtype=torch.float32), export)
+    tokens = torch.randint(0, tr.model_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, want = model(tokens), theirs.eval()(tokens).logits
+        torch.testing.assert_close(want, ours, rtol=1e-5, atol=1e-5)
+    if not merged:  # a fresh run on the same base starts from the exported adapters
+        again = _trainer([*BATCH, *LORA, "--lora.initial_adapter_path", str(export)], 1, str(tmp_path / "again"))
+        trained = dict(model.named_parameters())
+        loaded = {n: p for n, p in again.step_parts.model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+        assert len(loaded) == 16 and all(torch.equal(p, trained[n]) for n, p in loaded.items())
+        with pytest.raises(ConfigError, match="lora.rank: 8, but the adapters of lora.initial_adapter_path"):
+            validate(parse_args(merge(BASE, LORA, ["--lora.rank", "8", "--lora.initial_adapter_path", str(export)])), 1)
+
+
+def test_checkpoints_hold_the_adapters_alone_and_a_resumed_run_equals_the_whole_one(tmp_path):
+    """The base is left out of a LoRA run's checkpoints (model and optimizer state hold the adapters) and comes
+    back from the seed (or checkpoint.initial_load_path) as the run resumes: 3 + 3 steps equal 6."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.dist_worker import run_train
+
+    flags = [*BATCH, *LORA, "--checkpoint.enable", "--checkpoint.interval", "3"]
+    whole = run_train([*flags, "--job.dump_folder", str(tmp_path / "whole")], 6)
+    shutil.copytree(tmp_path / "whole/checkpoint/step-3", tmp_path / "parts/checkpoint/step-3")  # stopped there
+    resumed = run_train([*flags, "--job.dump_folder", str(tmp_path / "parts")], 6)
+    assert resumed["start"] == 3 and resumed["losses"] == {s: whole["losses"][s] for s in (4, 5, 6)}
+    saved = FileSystemReader(str(tmp_path / "parts/checkpoint/step-3")).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert weights and all(k.endswith(("lora_a", "lora_b")) for k in weights), weights
+    moments = {k for k in saved if k.startswith("optimizer.state.")}
+    assert moments and all(".lora_a." in k or ".lora_b." in k for k in moments), moments
+
+
+def test_estimate_counts_no_gradients_or_moments_for_the_frozen_base():
+    """Gradients and AdamW's moments of the adapters alone (tests/test_estimate.py checks that the shipped 8B LoRA
+    config fits one 80 GiB GPU), and backward's FLOPs without the frozen weights' gradients."""
+    from tessera import lora
+    from tessera.estimate.core import estimate
+
+    flags = ["--model.flavor", "debugmodel", "--training.seq_len", "128", "--training.local_batch_size", "2",
+             "--lora.rank", "16", "--lora.target_modules", "wq,wk,wv,wo,w1,w2,w3"]
+    adapted, whole = (estimate(parse_args(merge(flags, more)), 1, "cuda") for more in ([], ["--lora.rank", "0"]))
+    cfg = parse_args(flags)
+    run = validate(cfg, 1)
+    with torch.device("meta"):
+        model = run.family.spec().model(run.args)
+    adapters = sum(16 * (m.in_features + m.out_features) for _, m in lora.targets(model, cfg.lora.target_modules))
+    params = sum(p.numel() for p in model.parameters())
+    kind, full = adapted.kinds[0], whole.kinds[0]
+    assert abs(kind.grads / (4 * adapters) - 1) < 0.01 and abs(kind.optimizer / (8 * adapters) - 1) < 0.01, kind
+    assert abs(full.grads / (4 * params) - 1) < 0.01 and abs(kind.params - full.params - 4 * adapters) < 0.01 * \
+        kind.params
+    assert adapted.time.compute < 0.8 * whole.time.compute
