@@ -35,8 +35,9 @@ FLOORS = (
      "image grids, live memory, metrics, profiling, stopping, optimizer state, the data pipeline",
      ("tessera.dtypes", "tessera.tensors", "tessera.images", "tessera.memory", "tessera.metrics",
       "tessera.profiling", "tessera.stopping", "tessera.optim_state", "tessera.data")),
-    ("parallelism", "each parallelism as functions over modules, then the world (process groups, meshes)",
-     ("tessera.parallel", "tessera.distributed")),
+    ("parallelism", "each parallelism as functions over modules, LoRA's adapters beside a model's linears, then the "
+     "world (process groups, meshes)",
+     ("tessera.parallel", "tessera.lora", "tessera.distributed")),
     ("models", "the family contract, the shared blocks, the registry, the families (a folder each, in their group's "
      "folder), MoE training",
      ("tessera.models.contract", "tessera.models.common", "tessera.models", GROUP, "tessera.experts")),

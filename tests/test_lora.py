@@ -67,6 +67,20 @@ def test_layouts_equal_one_process():
     assert_matches(float8, one_process([*BATCH, *LORA, *f8], STEPS), 1e-3, what=("grads",))
 
 
+@pytest.mark.ranks
+def test_hsdp_and_ep_equal_one_process():
+    """4 ranks: HSDP 2x2; Qwen 3 MoE with adapters on its attention under EP 2 x FSDP 2 (the experts frozen and
+    sharded apart): losses, step-1 adapter gradients and final parameters within 1e-5."""
+    moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", *LORA[:4], "--lora.target_modules",
+           "wq,wv,attention.wo"]
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    dense, experts = run_cases(4, [[*LORA, "--training.local_batch_size", "2", *hsdp],
+                                   [*moe, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree",
+                                    "2"]], STEPS)
+    assert_matches(dense, one_process([*BATCH, *LORA], STEPS), 1e-5, what=("grads", "params"))
+    assert_matches(experts, one_process([*moe, *BATCH], STEPS), 1e-5, what=("grads", "params"))
+
+
 @pytest.mark.parametrize("argv, expect", [
     (["--optimizer.name", "Muon"], "optimizer.name: Muon orthogonalizes whole weight matrices"),
     (["--lora.target_modules", ""], "lora.target_modules: empty"),

@@ -6,18 +6,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tessera import models
 from tessera.config import ConfigError
 from tessera.config.sections import Lora
 from tessera.lora import ADAPTERS, is_adapter
+from tessera.parallel.tp import local
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def base_state(state: dict) -> dict:
@@ -29,8 +25,8 @@ def merged_state(state: dict, cfg: Lora) -> dict:
     out = base_state(state)
     for name in [k for k in state if k.endswith(".lora_a")]:
         linear = name.removesuffix(".lora_a")
-        a, b = _full(state[name]).float(), _full(state[f"{linear}.lora_b"]).float()
-        w = _full(out[f"{linear}.weight"])
+        a, b = local(state[name]).float(), local(state[f"{linear}.lora_b"]).float()
+        w = local(out[f"{linear}.weight"])
         out[f"{linear}.weight"] = (w.float() + cfg.alpha / cfg.rank * b @ a).to(w.dtype)
     return out
 
@@ -60,7 +56,7 @@ def save_peft(state: dict, cfg: Lora, family: str, out_dir: str | Path, dtype: t
         module = _hf_module(hf, linear, state[f"{linear}.weight"])
         modules.append(module)
         for ours, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
-            t = _full(state[f"{linear}.{ours}"]).detach()
+            t = local(state[f"{linear}.{ours}"]).detach()
             tensors[f"base_model.model.{module}.{theirs}.weight"] = t.to(dtype or t.dtype).contiguous().cpu()
     if dist.is_initialized():  # pipeline stages hold different adapters
         gathered = [None] * dist.get_world_size()

@@ -131,9 +131,8 @@ def place_adapters(model: nn.Module, mesh: DeviceMesh) -> None:
         weight = getattr(module, "weight", None)
         if getattr(module, "lora_a", None) is None or not isinstance(weight, DTensor):
             continue
-        rows = weight.placements[0] == Shard(0)
-        for name, placement in (("lora_a", Replicate() if rows else Shard(1)), ("lora_b", Shard(0) if rows else
-                                                                                Replicate())):
+        a, b = (Replicate(), Shard(0)) if weight.placements[0] == Shard(0) else (Shard(1), Replicate())
+        for name, placement in (("lora_a", a), ("lora_b", b)):
             p = getattr(module, name)
             full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [placement])))
