@@ -1,6 +1,7 @@
 """LoRA ([lora], tessera/lora.py): the base frozen, adapters beside the target linears, each layout equal to one
 process, and bad input refused in one line."""
 
+import json
 import shutil
 import tempfile
 
@@ -181,3 +182,28 @@ def test_estimate_counts_no_gradients_or_moments_for_the_frozen_base():
     assert abs(full.grads / (4 * params) - 1) < 0.01 and abs(kind.params - full.params - 4 * adapters) < 0.01 * \
         kind.params
     assert adapted.time.compute < 0.8 * whole.time.compute
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["dcp", "hf"])
+def test_the_base_loads_from_a_checkpoint_without_adapters(tmp_path, hf):
+    """checkpoint.initial_load_path, a DCP checkpoint or a Hugging Face folder of the whole model (no adapters):
+    the base weights are its, the adapters start afresh, and the PEFT export names the folder as its base."""
+    from tessera.train import train
+
+    tr = _trainer([*BATCH, "--checkpoint.enable", *(["--checkpoint.last_save_in_hf"] if hf else [])], 2,
+                  str(tmp_path / "base"))
+    train(tr)
+    tr.metrics.close()
+    base = tmp_path / ("base/checkpoint/exports/step-2" if hf else "base/checkpoint/step-2")
+    flags = [*BATCH, *LORA, "--checkpoint.enable", "--checkpoint.initial_load_path", str(base),
+             *(["--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"] if hf else [])]
+    tuned = _trainer(flags, 1, str(tmp_path / "tuned"))
+    want = dict(tr.step_parts.model.named_parameters())
+    got = dict(tuned.step_parts.model.named_parameters())
+    assert {n for n in got if n not in want} == {n for n in got if n.endswith(("lora_a", "lora_b"))}
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    if hf:
+        train(tuned)
+        tuned.metrics.close()
+        config = json.loads((tmp_path / "tuned/checkpoint/exports/step-1/adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(base) and config["r"] == 4

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tessera import models
 from tessera.checkpoint import mxfp4, plain
+from tessera.lora import is_adapter
 
 log = logging.getLogger("tessera")
 INDEX = "model.safetensors.index.json"
@@ -244,7 +245,7 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
                           f"model {list(t.shape)}")
     # This rank's tensors under the checkpoint's names: the model's own (or views of them, for an adapter that
     # splits one of ours into several), filled in place; from_hf then maps them back (stacking, dequantizing).
-    state = _without(plain.model_state(model), fit.fresh)
+    state = {k: v for k, v in _without(plain.model_state(model), fit.fresh).items() if not is_adapter(k)}  # the base
     regrouped = by_experts(state)  # adapters read and write whole experts: filled here, then copied back
     targets = to_hf({**state, **regrouped})
     reads = {n: t for n, t in targets.items() if n not in quantized}

@@ -46,6 +46,7 @@ from tessera.config import ConfigError, JobConfig, to_toml
 from tessera.data.fingerprint import RECORD as INPUTS, inputs_print
 from tessera.distributed import on_rank0
 from tessera.dtypes import DTYPES
+from tessera.lora import is_adapter
 from tessera.models import args_to_json, family
 from tessera.optim import settings_changed
 
@@ -381,15 +382,18 @@ class Checkpointer:
             if marker is not None and (problem := verify_shared(path, marker)):
                 raise ConfigError(f"checkpoint.initial_load_path: '{path}' is damaged: {problem}; pick another "
                                   f"checkpoint")
-            self._load(path, model_only=self.c.initial_load_model_only)
+            self._load(path, model_only=self.c.initial_load_model_only, base=bool(self.cfg.lora.rank))
         log.info(f"initialized from {path}{' (Hugging Face)' if self.c.initial_load_in_hf else ''}")
 
-    def _load(self, path: str, model_only: bool) -> None:
+    def _load(self, path: str, model_only: bool, base: bool = False) -> None:
+        """`base`: the frozen base of a LoRA run, from a checkpoint that has no adapters."""
         excluded = set(self.c.exclude_from_loading)
-        model_only = model_only or {"optimizer", "train_state"} <= excluded
+        model_only = model_only or base or {"optimizer", "train_state"} <= excluded
         parts = [part for part in self.parts.parts()
                  if part.name == "model" or not (model_only or part.name in excluded)]
         state = self._state(model_only)
+        if base:
+            state["model"] = {k: v for k, v in state["model"].items() if not is_adapter(k)}
         check_shapes(path, state["model"])
         if "optimizer" in excluded:
             state.pop("optimizer", None)
