@@ -160,6 +160,13 @@ def test_checkpoints_hold_the_adapters_alone_and_a_resumed_run_equals_the_whole_
     assert weights and all(k.endswith(("lora_a", "lora_b")) for k in weights), weights
     moments = {k for k in saved if k.startswith("optimizer.state.")}
     assert moments and all(".lora_a." in k or ".lora_b." in k for k in moments), moments
+    for change, refused in ((["--lora.rank", "8"], "lora.rank: 8, but the checkpoint at .* holds adapters of "
+                                                  "lora.rank = 4"),
+                            (["--lora.target_modules", "wq"], "lora.target_modules: .'wq'., but the checkpoint"),
+                            (["--lora.rank", "0"], "lora.rank: 0, but the checkpoint")):
+        with pytest.raises(ConfigError, match=refused):
+            validate(parse_args(merge(BASE, flags, ["--job.dump_folder", str(tmp_path / "parts"),
+                                                    "--training.steps", "9"], change)), 1)
 
 
 def test_estimate_counts_no_gradients_or_moments_for_the_frozen_base():
