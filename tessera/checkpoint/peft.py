@@ -43,34 +43,39 @@ def _hf_module(hf, linear: str, weight: torch.Tensor) -> str:
     return name.removesuffix(".weight")
 
 
+def _peft_names(hf, state: dict):
+    """(Hugging Face module, our adapter's name, its PEFT name) of each adapter in `state`."""
+    for name in sorted(k for k in state if k.endswith(".lora_a")):
+        linear = name.removesuffix(".lora_a")
+        module = _hf_module(hf, linear, state[f"{linear}.weight"])
+        for ours, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
+            yield module, f"{linear}.{ours}", f"base_model.model.{module}.{theirs}.weight"
+
+
 def save_peft(state: dict, cfg: Lora, family: str, out_dir: str | Path, dtype: torch.dtype | None,
               base_model: str | None) -> None:
     """Every rank calls it (full tensors are gathered); rank 0 writes. `base_model`: adapter_config.json's
     base_model_name_or_path."""
     from safetensors.torch import save_file
 
-    hf = models.family(family).hf
     tensors, modules = {}, []
-    for name in sorted(k for k in state if k.endswith(".lora_a")):
-        linear = name.removesuffix(".lora_a")
-        module = _hf_module(hf, linear, state[f"{linear}.weight"])
+    for module, ours, theirs in _peft_names(models.family(family).hf, state):
         modules.append(module)
-        for ours, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
-            t = local(state[f"{linear}.{ours}"]).detach()
-            tensors[f"base_model.model.{module}.{theirs}.weight"] = t.to(dtype or t.dtype).contiguous().cpu()
+        t = local(state[ours]).detach()
+        tensors[theirs] = t.to(dtype or t.dtype).contiguous().cpu()
     if dist.is_initialized():  # pipeline stages hold different adapters
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (tensors, modules))
         tensors = {k: v for part, _ in gathered for k, v in part.items()}
-        modules = sorted({m for _, part in gathered for m in part})
+        modules = [m for _, part in gathered for m in part]
         if dist.get_rank() != 0:
             return
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
-              "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": sorted(set(modules)),
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "modules_to_save": None, "init_lora_weights": True}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
@@ -82,18 +87,13 @@ def load_peft(model: torch.nn.Module, folder: str, family: str) -> None:
 
     from tessera.checkpoint.plain import model_state
 
-    hf, stored = models.family(family).hf, load_file(str(Path(folder) / WEIGHTS))
-    ours, state = model_state(model), {}
-    for name in sorted(k for k in ours if k.endswith(".lora_a")):
-        linear = name.removesuffix(".lora_a")
-        module = _hf_module(hf, linear, ours[f"{linear}.weight"])
-        for mine, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
-            key = f"base_model.model.{module}.{theirs}.weight"
-            if key not in stored:
-                raise ConfigError(f"lora.initial_adapter_path: '{folder}' holds no adapter of {module} ({key}); "
-                                  f"set lora.target_modules to the folder's")
-            if tuple(stored[key].shape) != tuple(ours[f"{linear}.{mine}"].shape):
-                raise ConfigError(f"lora.initial_adapter_path: {key} in '{folder}' is {list(stored[key].shape)}, "
-                                  f"this run's {list(ours[f'{linear}.{mine}'].shape)}")
-            state[f"{linear}.{mine}"] = stored[key]
+    stored, have, state = load_file(str(Path(folder) / WEIGHTS)), model_state(model), {}
+    for module, ours, key in _peft_names(models.family(family).hf, have):
+        if key not in stored:
+            raise ConfigError(f"lora.initial_adapter_path: '{folder}' holds no adapter of {module} ({key}); "
+                              f"set lora.target_modules to the folder's")
+        if tuple(stored[key].shape) != tuple(have[ours].shape):
+            raise ConfigError(f"lora.initial_adapter_path: {key} in '{folder}' is {list(stored[key].shape)}, "
+                              f"this run's {list(have[ours].shape)}")
+        state[ours] = stored[key]
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
