@@ -14,6 +14,7 @@ from torch import nn
 
 from tessera import experts, lora
 from tessera.checkpoint.manager import Checkpointer, probe_writable, write_run_record
+from tessera.checkpoint.peft import check_exportable
 from tessera.checkpoint.resume import confirm_resume
 from tessera.checkpoint.run_state import Progress, Saved
 from tessera.config import JobConfig
@@ -168,6 +169,7 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
     with torch.device("meta"):
         model = spec.model(args)
     lora.check_targets(model, cfg.lora)
+    check_exportable(model, cfg, cfg.model.name)
     if world.dims.pp == 1:
         model = spec.parallelize(model, world, cfg)
         _materialize(model, world, cfg)

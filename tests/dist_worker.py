@@ -213,6 +213,9 @@ def start_ranks(queue: Path, nproc: int) -> int:
         ranks.append(pid)
     while ranks:
         pid, status = os.wait()
+        if os.WIFSIGNALED(status):  # a crash (gloo's threads, rarely): tests/launch.py reruns the job on new ranks
+            signame = signal.Signals(os.WTERMSIG(status)).name
+            (queue / "crashed.txt").write_text(f"rank {ranks.index(pid)} died of {signame}")
         ranks.remove(pid)
         if status != 0:
             for other in ranks:

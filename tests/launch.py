@@ -68,6 +68,11 @@ def run_dist(nproc: int, dump: Path, *args: str) -> list[dict]:
     return read_metrics(dump)
 
 
+class RanksCrashed(AssertionError):
+    """A rank died of a signal (tests/dist_worker.py start_ranks), not of an error it reported: gloo's threads on
+    CPU have crashed a rank (a general protection fault in pt_gloo_runloop) in a whole-suite run, between jobs."""
+
+
 class RankPool:
     """`nproc` ranks that run job after job (tests/dist_worker.py's `start_ranks` and `serve`): a test pays for its
     cases, not for starting torch in every rank again."""
@@ -93,11 +98,14 @@ class RankPool:
             errors = sorted(self.queue.glob(f"error-{k}-*.txt"))
             if errors or self.proc.poll() is not None or time.monotonic() > deadline:
                 time.sleep(0.5)  # the failing rank's last lines reach the log
+                crash = self.queue / "crashed.txt"
+                crashed = not errors and crash.exists()
                 why = "".join(f"--- {e.name}\n{e.read_text()}" for e in errors) or \
-                    ("the ranks exited" if self.proc.poll() is not None else f"no result after {timeout} s")
+                    (crash.read_text() if crashed else "the ranks exited" if self.proc.poll() is not None
+                     else f"no result after {timeout} s")
                 why = f"{self.nproc} ranks, {target}: {why}\n{self.log_tail()}"
                 self.close()
-                raise AssertionError(why)
+                raise (RanksCrashed if crashed else AssertionError)(why)
             if select.select([self.done], [], [], 1.0)[0]:  # a rank's word, or a look every second
                 os.read(self.done, 4096)
         import torch
@@ -165,7 +173,15 @@ def on_ranks(nproc: int, target: str, cases: list, steps: int, timeout: float = 
             pool.close()
         pool = _pools[nproc] = RankPool(nproc)
     try:
-        return pool.run(target, cases, steps, timeout)
+        try:
+            return pool.run(target, cases, steps, timeout)
+        except RanksCrashed as crash:  # once: a rank that crashes again fails the test
+            print(f"tests.launch: {crash}\nrunning the job again on new ranks", file=sys.stderr)
+            pool = _pools[nproc] = RankPool(nproc)
+            try:
+                return pool.run(target, cases, steps, timeout)
+            except RanksCrashed as again:
+                raise AssertionError(str(again)) from None
     finally:
         if nproc > KEEP_UP_TO:  # one test uses it; idle, its ranks would hold ~0.4 GiB each
             pool.close()

@@ -16,6 +16,10 @@ from tests.launch import ROOT, assert_matches, merge, one_process, run_cases
 
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "wq,wv,attention.wo,feed_forward.w2"]
 BATCH = ["--training.local_batch_size", "8"]
+# Qwen 3 MoE with adapters on attention and on every expert's gate, up and down stacks (the balancing bias off:
+# Hugging Face's format has no place for it)
+MOE_LORA = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--moe.load_balance_rate", "0",
+            *LORA[:4], "--lora.target_modules", "wq,attention.wo,experts.w1,experts.w2,experts.w3"]
 STEPS = 3
 
 
@@ -49,8 +53,9 @@ def test_only_the_adapters_train_and_a_run_starts_from_the_base_model():
 @pytest.mark.ranks
 def test_layouts_equal_one_process():
     """2 ranks: FSDP 2, TP 2 (+SP; column-wise wq/wv split B's rows, row-wise wo/w2 split A's columns), PP 2,
-    CP 2, FSDP 2 with full AC: losses, step-1 adapter gradients and final parameters within 1e-5; FSDP 2 with
-    Float8 base linears against one process with them: losses, grad norms and step-1 gradients within 1e-3."""
+    CP 2, FSDP 2 with full AC and compiled blocks (the adapters' hooks traced): losses, step-1 adapter gradients
+    and final parameters within 1e-5; FSDP 2 with Float8 base linears against one process with them: losses, grad
+    norms and step-1 gradients within 1e-3."""
     reference = one_process([*BATCH, *LORA], STEPS)
     assert reference["grads"] and all(n.endswith(("lora_a", "lora_b")) for n in reference["grads"])
     half = ["--training.local_batch_size", "4"]
@@ -58,7 +63,7 @@ def test_layouts_equal_one_process():
              [*BATCH, *LORA, "--parallelism.pipeline_parallel_degree", "2",
               "--parallelism.pipeline_parallel_microbatch_size", "2"],
              [*BATCH, *LORA, "--parallelism.context_parallel_degree", "2"],
-             [*half, *LORA, "--activation_checkpoint.mode", "full"]]
+             [*half, *LORA, "--activation_checkpoint.mode", "full", "--compile.enable"]]
     f8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
     *layouts, float8 = run_cases(2, [*cases, [*half, *LORA, *f8]], STEPS)
     for got in layouts:
@@ -69,17 +74,24 @@ def test_layouts_equal_one_process():
 
 
 @pytest.mark.ranks
-def test_hsdp_and_ep_equal_one_process():
-    """4 ranks: HSDP 2x2; Qwen 3 MoE with adapters on its attention under EP 2 x FSDP 2 (the experts frozen and
-    sharded apart): losses, step-1 adapter gradients and final parameters within 1e-5."""
-    moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", *LORA[:4], "--lora.target_modules",
-           "wq,wv,attention.wo"]
+def test_hsdp_and_ep_equal_one_process_and_adapters_resume_on_one(tmp_path):
+    """4 ranks: HSDP 2x2; Qwen 3 MoE with adapters on its attention and on every expert under EP 2 x FSDP 2 (the
+    expert stacks frozen, their adapters split over experts like them): losses, step-1 adapter gradients and final
+    parameters within 1e-5. Elastic: the 4 ranks' adapter checkpoint of step 2 resumed by one process trains step
+    3 as the 4 ranks did."""
+    from tests.dist_worker import run_train
+
     hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
-    dense, experts = run_cases(4, [[*LORA, "--training.local_batch_size", "2", *hsdp],
-                                   [*moe, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree",
-                                    "2"]], STEPS)
+    ep = [*MOE_LORA, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
+    dense, experts = run_cases(4, [[*LORA, "--training.local_batch_size", "2", *hsdp], ep], STEPS)
     assert_matches(dense, one_process([*BATCH, *LORA], STEPS), 1e-5, what=("grads", "params"))
-    assert_matches(experts, one_process([*moe, *BATCH], STEPS), 1e-5, what=("grads", "params"))
+    assert_matches(experts, one_process([*MOE_LORA, *BATCH], STEPS), 1e-5, what=("grads", "params"))
+    assert any(".experts.w2_lora_b" in n for n in experts["grads"])
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    four, = run_cases(4, [[*ep, *saving, "--job.dump_folder", str(tmp_path / "four")]], STEPS, mode="train")
+    shutil.copytree(tmp_path / "four/checkpoint/step-2", tmp_path / "one/checkpoint/step-2")
+    one = run_train([*MOE_LORA, *BATCH, *saving, "--job.dump_folder", str(tmp_path / "one")], STEPS)
+    assert one["start"] == 2 and one["losses"][3] == pytest.approx(four["losses"][3], abs=1e-5)
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -96,6 +108,10 @@ def test_bad_settings_are_refused_before_ranks_start(argv, expect):
     (["--lora.target_modules", "wq,q_proj"], "lora.target_modules: q_proj match.es. no linear of this model; name "
                                               "the ends of linear names, e.g. wq, wk, wv, wo, w1, w2, w3, output"),
     (["--lora.rank", "100"], r"lora.rank: 100 is above layers.0.attention.wq's size \(64 x 64\)"),
+    (["--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--lora.target_modules", "experts.w2",
+      "--checkpoint.enable", "--checkpoint.last_save_in_hf"],
+     "lora: layers.0.feed_forward.experts.w2 has adapters, which PEFT cannot hold for this model; export with "
+     "lora.merge_on_export = true .the final save"),
 ])
 def test_targets_and_ranks_the_model_cannot_take_are_refused_before_any_weight_exists(argv, expect):
     with tempfile.TemporaryDirectory() as dump, pytest.raises(ConfigError, match=expect):
@@ -104,9 +120,12 @@ def test_targets_and_ranks_the_model_cannot_take_are_refused_before_any_weight_e
 
 @pytest.mark.parametrize("merged", [False, True], ids=["peft", "merged"])
 def test_the_export_loads_in_peft_or_transformers_with_the_same_logits(tmp_path, merged):
-    """The final Hugging Face export of a LoRA run: a PEFT folder that peft loads onto the transformers model of the
-    base (saved here; a run from a Hugging Face folder names it as base_model_name_or_path), or with
-    lora.merge_on_export the base weights with the updates folded in; logits within 1e-5 of Tessera's."""
+    """The final Hugging Face export of a LoRA run of Qwen 3 MoE (adapters on attention and on the experts): a PEFT
+    folder that peft loads onto the transformers model of the base (saved here; a run from a Hugging Face folder
+    names it as base_model_name_or_path), the experts' adapters on transformers' fused gate_up_proj and down_proj
+    (target_parameters); or with lora.merge_on_export the base weights with the updates folded in; logits within
+    1e-5 of Tessera's. The PEFT folder imports into a new run as it was exported."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from tessera.checkpoint.hf import save_hf
@@ -114,7 +133,7 @@ def test_the_export_loads_in_peft_or_transformers_with_the_same_logits(tmp_path,
     from tessera.checkpoint.plain import model_state
     from tessera.train import train
 
-    flags = [*BATCH, *LORA, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--optimizer.lr", "1e-2",
+    flags = [*BATCH, *MOE_LORA, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--optimizer.lr", "1e-2",
              *(["--lora.merge_on_export"] if merged else [])]
     tr = _trainer(flags, 3, str(tmp_path / "run"))
     train(tr)
@@ -127,25 +146,34 @@ def test_the_export_loads_in_peft_or_transformers_with_the_same_logits(tmp_path,
         from peft import PeftModel
 
         assert {p.name for p in export.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-        save_hf(base_state(model_state(model)), tr.model_args, tmp_path / "base", family="llama3")
+        save_hf(base_state(model_state(model)), tr.model_args, tmp_path / "base", family="qwen3_moe")
         theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base",
                                                                                 dtype=torch.float32), export)
     tokens = torch.randint(0, tr.model_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, want = model(tokens), theirs.eval()(tokens).logits
         torch.testing.assert_close(want, ours, rtol=1e-5, atol=1e-5)
-    if not merged:  # a fresh run on the same base starts from the exported adapters
-        again = _trainer([*BATCH, *LORA, "--lora.initial_adapter_path", str(export)], 1, str(tmp_path / "again"))
-        trained = dict(model.named_parameters())
-        loaded = {n: p for n, p in again.step_parts.model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
-        assert len(loaded) == 16 and all(torch.equal(p, trained[n]) for n, p in loaded.items())
-        with pytest.raises(ConfigError, match="lora.rank: 8, but the adapters of lora.initial_adapter_path"):
-            validate(parse_args(merge(BASE, LORA, ["--lora.rank", "8", "--lora.initial_adapter_path", str(export)])), 1)
+    if merged:
+        return
+    again = _trainer([*BATCH, *MOE_LORA, "--lora.initial_adapter_path", str(export)], 1, str(tmp_path / "again"))
+    trained = dict(model.named_parameters())
+    loaded = {n: p for n, p in again.step_parts.model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+    assert len(loaded) == 20 and all(torch.equal(p, trained[n]) for n, p in loaded.items())
+    with pytest.raises(ConfigError, match="lora.rank: 8, but the adapters of lora.initial_adapter_path"):
+        validate(parse_args(merge(BASE, MOE_LORA, ["--lora.rank", "8", "--lora.initial_adapter_path", str(export)])),
+                 1)
+    weights = export / "adapter_model.safetensors"  # gate's adapter reaching up's rows: no per-stack form
+    stored = load_file(weights)
+    stored["base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"][-1, 0] = 1.0
+    save_file(stored, weights)
+    with pytest.raises(ConfigError, match="gate_up_proj's adapter in .* mixes the blocks of its fused rows"):
+        _trainer([*BATCH, *MOE_LORA, "--lora.initial_adapter_path", str(export)], 1, str(tmp_path / "mixed"))
 
 
-def test_checkpoints_hold_the_adapters_alone_and_a_resumed_run_equals_the_whole_one(tmp_path):
+def test_checkpoints_hold_the_adapters_alone_and_a_resumed_run_equals_the_whole_one(tmp_path, caplog):
     """The base is left out of a LoRA run's checkpoints (model and optimizer state hold the adapters) and comes
-    back from the seed (or checkpoint.initial_load_path) as the run resumes: 3 + 3 steps equal 6."""
+    back from the seed (or checkpoint.initial_load_path) as the run resumes: 3 + 3 steps equal 6. Another rank or
+    other targets are refused on resume, another alpha applies with a line."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from tests.dist_worker import run_train
@@ -167,6 +195,10 @@ def test_checkpoints_hold_the_adapters_alone_and_a_resumed_run_equals_the_whole_
         with pytest.raises(ConfigError, match=refused):
             validate(parse_args(merge(BASE, flags, ["--job.dump_folder", str(tmp_path / "parts"),
                                                     "--training.steps", "9"], change)), 1)
+    with caplog.at_level("WARNING", logger="tessera"):  # alpha changes the update's scale from here on: a line
+        validate(parse_args(merge(BASE, flags, ["--job.dump_folder", str(tmp_path / "parts"), "--training.steps", "9",
+                                                "--lora.alpha", "16"])), 1)
+    assert "lora.alpha: 8.0 in the checkpoint at " in caplog.text and "16.0 from here on" in caplog.text
 
 
 def test_estimate_counts_no_gradients_or_moments_for_the_frozen_base():
@@ -182,7 +214,7 @@ def test_estimate_counts_no_gradients_or_moments_for_the_frozen_base():
     run = validate(cfg, 1)
     with torch.device("meta"):
         model = run.family.spec().model(run.args)
-    adapters = sum(16 * (m.in_features + m.out_features) for _, m in lora.targets(model, cfg.lora.target_modules))
+    adapters = sum(16 * (out + inp) for *_, (out, inp) in lora.targets(model, cfg.lora.target_modules))
     params = sum(p.numel() for p in model.parameters())
     kind, full = adapted.kinds[0], whole.kinds[0]
     assert abs(kind.grads / (4 * adapters) - 1) < 0.01 and abs(kind.optimizer / (8 * adapters) - 1) < 0.01, kind

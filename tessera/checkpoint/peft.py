@@ -2,6 +2,7 @@
 transformers model, or merged into the base weights of a Hugging Face export (lora.merge_on_export)."""
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -10,10 +11,11 @@ import torch.distributed as dist
 from tessera import models
 from tessera.config import ConfigError
 from tessera.config.sections import Lora
-from tessera.lora import ADAPTERS, is_adapter
+from tessera.lora import ADAPTERS, adapted_weight, is_adapter, targets
 from tessera.parallel.tp import local
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+log = logging.getLogger("tessera")
 
 
 def base_state(state: dict) -> dict:
@@ -23,11 +25,11 @@ def base_state(state: dict) -> dict:
 def merged_state(state: dict, cfg: Lora) -> dict:
     """The base weights with each adapter's update folded in, W + (alpha / rank) B A (full tensors)."""
     out = base_state(state)
-    for name in [k for k in state if k.endswith(".lora_a")]:
-        linear = name.removesuffix(".lora_a")
-        a, b = local(state[name]).float(), local(state[f"{linear}.lora_b"]).float()
-        w = local(out[f"{linear}.weight"])
-        out[f"{linear}.weight"] = (w.float() + cfg.alpha / cfg.rank * b @ a).to(w.dtype)
+    for name in [k for k in state if is_adapter(k) and k.endswith("lora_a")]:
+        a, b = local(state[name]).float(), local(state[name.removesuffix("a") + "b"]).float()
+        weight = adapted_weight(name)
+        w = local(out[weight])
+        out[weight] = (w.float() + cfg.alpha / cfg.rank * b @ a).to(w.dtype)  # per expert for [E, ...] stacks
     return out
 
 
@@ -44,12 +46,63 @@ def _hf_module(hf, linear: str, weight: torch.Tensor) -> str:
 
 
 def _peft_names(hf, state: dict):
-    """(Hugging Face module, our adapter's name, its PEFT name) of each adapter in `state`."""
+    """(Hugging Face module, our adapter's name, its PEFT name) of each linear's adapter in `state`."""
     for name in sorted(k for k in state if k.endswith(".lora_a")):
         linear = name.removesuffix(".lora_a")
         module = _hf_module(hf, linear, state[f"{linear}.weight"])
         for ours, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
             yield module, f"{linear}.{ours}", f"base_model.model.{module}.{theirs}.weight"
+
+
+def check_exportable(model: torch.nn.Module, cfg, family: str) -> None:
+    """Before any weight exists: a run whose final export is a PEFT folder (checkpoint.last_save_in_hf without
+    lora.merge_on_export) with adapters on expert stacks that peft cannot hold for this family is refused."""
+    if not (cfg.lora.rank and cfg.checkpoint.last_save_in_hf) or cfg.lora.merge_on_export:
+        return
+    state = {f"{fqn}_lora_a": None for fqn, _, stack, _ in targets(model, cfg.lora.target_modules) if stack}
+    try:
+        _expert_params(models.family(family).hf, state)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the final save, checkpoint.last_save_in_hf, is a PEFT folder)") from None
+
+
+def _expert_params(hf, state: dict) -> dict[str, list[tuple[int, int, str]]]:
+    """{transformers' parameter: [(block, blocks, our stack)]} of the expert stacks `state` has adapters of, in the
+    order of the parameters in their modules. peft adapts a 3-D parameter [E, out, in] with one rank-R factor pair
+    per expert (target_parameters); our stacks that share a fused parameter (gate and up) are its blocks of output
+    rows, their adapters one pair of rank R = blocks x rank whose B is block-diagonal."""
+    params, position = {}, {}
+    for name in sorted(k for k in state if k.endswith("_lora_a")):
+        stack = adapted_weight(name)
+        where = getattr(hf, "peft_param", lambda _: None)(stack)
+        if where is None:
+            raise ConfigError(f"lora: {stack} has adapters, which PEFT cannot hold for this model; export with "
+                              f"lora.merge_on_export = true")
+        param, position[param], *block = where
+        params.setdefault(param, []).append((*block, stack))
+    order = sorted(params, key=lambda p: (p.rsplit(".", 1)[0], position[p]))
+    return {p: sorted(params[p]) for p in order}
+
+
+def _nested_keys(params: list[str]) -> dict[str, str]:
+    """PEFT's key prefix of each targeted parameter (in their modules' order): a module with several wraps them in
+    turn, the first innermost (`experts.base_layer.lora_A` beside `experts.lora_A`)."""
+    by_module = {}
+    for p in params:
+        by_module.setdefault(p.rsplit(".", 1)[0], []).append(p)
+    return {p: f"base_model.model.{module}." + "base_layer." * (len(ps) - 1 - i)
+            for module, ps in by_module.items() for i, p in enumerate(ps)}
+
+
+def _fused_pair(state: dict, entries: list[tuple[int, int, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's lora_A [E R, in] (expert-major rows) and lora_B [out, R E] (rank-major columns) of one parameter."""
+    a = torch.cat([local(state[f"{stack}_lora_a"]).detach() for *_, stack in entries], dim=1)
+    experts, rank, blocks = a.shape[0], a.shape[1] // len(entries), entries[0][1]
+    rows = local(state[f"{entries[0][2]}_lora_b"]).shape[1]
+    b = a.new_zeros(experts, rows * blocks, rank * len(entries))
+    for i, (block, _, stack) in enumerate(entries):
+        b[:, block * rows:(block + 1) * rows, i * rank:(i + 1) * rank] = local(state[f"{stack}_lora_b"]).detach()
+    return a.reshape(-1, a.shape[-1]), b.permute(1, 2, 0).reshape(b.shape[1], -1)
 
 
 def save_peft(state: dict, cfg: Lora, family: str, out_dir: str | Path, dtype: torch.dtype | None,
@@ -58,23 +111,36 @@ def save_peft(state: dict, cfg: Lora, family: str, out_dir: str | Path, dtype: t
     base_model_name_or_path."""
     from safetensors.torch import save_file
 
-    tensors, modules = {}, []
-    for module, ours, theirs in _peft_names(models.family(family).hf, state):
+    hf, tensors, modules, ranks = models.family(family).hf, {}, [], {}
+    for module, ours, theirs in _peft_names(hf, state):
         modules.append(module)
-        t = local(state[ours]).detach()
-        tensors[theirs] = t.to(dtype or t.dtype).contiguous().cpu()
+        tensors[theirs] = local(state[ours]).detach()
+    experts = _expert_params(hf, state)
+    for param, prefix in _nested_keys(list(experts)).items():
+        tensors[f"{prefix}lora_A.weight"], tensors[f"{prefix}lora_B.weight"] = _fused_pair(state, experts[param])
+        ranks[param] = cfg.rank * len(experts[param])
+    tensors = {k: t.to(dtype or t.dtype).contiguous().cpu() for k, t in tensors.items()}
     if dist.is_initialized():  # pipeline stages hold different adapters
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (tensors, modules))
-        tensors = {k: v for part, _ in gathered for k, v in part.items()}
-        modules = [m for _, part in gathered for m in part]
+        dist.all_gather_object(gathered, (tensors, modules, ranks))
+        tensors = {k: v for part, _, _ in gathered for k, v in part.items()}
+        modules = [m for _, part, _ in gathered for m in part]
+        ranks = {p: r for _, _, part in gathered for p, r in part.items()}
         if dist.get_rank() != 0:
             return
+    dropout = cfg.dropout
+    if ranks and dropout:
+        log.warning(f"lora: the PEFT export says lora_dropout = 0 (PEFT's adapters on expert parameters take no "
+                    f"dropout); this run trained with {dropout}, which inference never applies")
+        dropout = 0.0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    fused = {p: r for p, r in ranks.items() if r != cfg.rank}  # peft 0.21 applies them, and warns it did not
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
-              "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": sorted(set(modules)),
+              "lora_alpha": cfg.alpha, "lora_dropout": dropout, "target_modules": sorted(set(modules)),
+              "target_parameters": sorted(ranks) or None, "rank_pattern": fused,
+              "alpha_pattern": {p: cfg.alpha * r / cfg.rank for p, r in fused.items()},
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "modules_to_save": None, "init_lora_weights": True}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -87,13 +153,34 @@ def load_peft(model: torch.nn.Module, folder: str, family: str) -> None:
 
     from tessera.checkpoint.plain import model_state
 
+    hf = models.family(family).hf
     stored, have, state = load_file(str(Path(folder) / WEIGHTS)), model_state(model), {}
-    for module, ours, key in _peft_names(models.family(family).hf, have):
+
+    def read(key: str, what: str, shape) -> torch.Tensor:
         if key not in stored:
-            raise ConfigError(f"lora.initial_adapter_path: '{folder}' holds no adapter of {module} ({key}); "
+            raise ConfigError(f"lora.initial_adapter_path: '{folder}' holds no adapter of {what} ({key}); "
                               f"set lora.target_modules to the folder's")
-        if tuple(stored[key].shape) != tuple(have[ours].shape):
+        if tuple(stored[key].shape) != tuple(shape):
             raise ConfigError(f"lora.initial_adapter_path: {key} in '{folder}' is {list(stored[key].shape)}, "
-                              f"this run's {list(have[ours].shape)}")
-        state[ours] = stored[key]
+                              f"this run's {list(shape)}")
+        return stored[key]
+
+    for module, ours, key in _peft_names(hf, have):
+        state[ours] = read(key, module, have[ours].shape)
+    experts = _expert_params(hf, have)
+    for param, prefix in _nested_keys(list(experts)).items():
+        entries, first = experts[param], experts[param][0][2]
+        (n_experts, rank, inputs), rows = have[f"{first}_lora_a"].shape, have[f"{first}_lora_b"].shape[1]
+        fused = rank * len(entries)
+        a = read(f"{prefix}lora_A.weight", param, (n_experts * fused, inputs)).reshape(n_experts, fused, inputs)
+        b = read(f"{prefix}lora_B.weight", param, (rows * entries[0][1], fused * n_experts))
+        b = b.reshape(b.shape[0], fused, n_experts).permute(2, 0, 1).clone()  # [E, out, R]
+        for i, (block, _, stack) in enumerate(entries):
+            cols = slice(i * rank, (i + 1) * rank)
+            state[f"{stack}_lora_a"] = a[:, cols]
+            state[f"{stack}_lora_b"] = b[:, block * rows:(block + 1) * rows, cols].clone()
+            b[:, block * rows:(block + 1) * rows, cols] = 0
+        if b.any():
+            raise ConfigError(f"lora.initial_adapter_path: {param}'s adapter in '{folder}' mixes the blocks of its "
+                              f"fused rows ({', '.join(s for *_, s in entries)}), which Tessera adapts apart")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -330,8 +330,8 @@ class Lora:
                        "With LoRA the base weights are frozen: no gradients, no optimizer state", min=0)
     alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", min=0.0)
     dropout: float = opt(0.0, "dropout on the adapters' input while training", min=0.0, max=1.0)
-    target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "linears that get an adapter, by the end of their "
-                                    "names: wq, attention.wo, feed_forward.w1, ...")
+    target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "linears and expert stacks that get adapters, by the "
+                                    "end of their names: wq, attention.wo, feed_forward.w1, experts.w2, ...")
     init: str = opt("default", "A from a Kaiming-uniform (default, as PEFT) or N(0, 1/rank) (gaussian); B is zero, "
                                "so training starts from the base model", choices=LORA_INITS)
     initial_adapter_path: str = opt("", "a PEFT folder (adapter_config.json, adapter_model.safetensors) whose adapters "

@@ -30,7 +30,10 @@ class HFAdapter(Protocol):
     or None): config.json's args fitted to the tensor names a folder holds (tessera.models.hf_fit);
     `weights_name`, the exported safetensors' file name stem when not "model" (diffusers': diffusion_pytorch_model);
     `to_hf_for(names)`, the to_hf that reads a folder holding `names` (after stored_names), for a model whose
-    folders come in more than one layout (to_hf: the one exports write); `carried`, a Carried."""
+    folders come in more than one layout (to_hf: the one exports write); `carried`, a Carried;
+    `peft_param(stack)` -> (transformers' parameter, its position among its module's parameters, block, blocks):
+    where an expert stack of ours is held, as one of `blocks` blocks of output rows; None for another name
+    (tessera.checkpoint.peft: LoRA on experts in PEFT's form)."""
 
     def to_hf(self, state: dict) -> dict: ...
 

@@ -174,3 +174,20 @@ def on_experts(fn, *stacks):
         strides[i] = strides[i + 1] * shape[i + 1]
     return DTensor.from_local(local, stacks[0].device_mesh, stacks[0].placements, run_check=False, shape=shape,
                               stride=tuple(strides))
+
+
+# Where transformers 5 holds a stacked expert weight in memory (what `peft` adapts with target_parameters): gate and
+# up fused as `gate_up_proj` [E, 2 hidden, dim] (gate first), down as `down_proj` [E, dim, hidden], in this order
+# in the experts module.
+_FUSED = {"w1": ("gate_up_proj", 0, 0, 2), "w3": ("gate_up_proj", 0, 1, 2), "w2": ("down_proj", 1, 0, 1)}
+_STACK = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+
+
+def fused_expert_param(stack: str) -> tuple[str, int, int, int] | None:
+    """HFAdapter.peft_param for decoders whose transformers model fuses experts as above, or None for a name that
+    is no expert stack."""
+    m = _STACK.fullmatch(stack)
+    if m is None:
+        return None
+    param, position, block, blocks = _FUSED[m[2]]
+    return f"model.layers.{m[1]}.mlp.experts.{param}", position, block, blocks

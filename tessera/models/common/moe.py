@@ -42,6 +42,8 @@ class Experts(nn.Module):
     """E SwiGLU experts stored stacked: w1 (gate), w3 (up) [E, hidden, dim], w2 [E, dim, hidden]; with `args.bias`
     w1_bias, w3_bias [E, hidden] and w2_bias [E, dim]."""
 
+    ADAPTABLE = ("w1", "w2", "w3")  # the stacks LoRA may adapt (`adapt`)
+
     def __init__(self, dim: int, args: MoEArgs, grouped: bool = True):
         super().__init__()
         n, hidden = args.n_experts, args.hidden
@@ -54,6 +56,15 @@ class Experts(nn.Module):
             self.w1_bias = self.w2_bias = self.w3_bias = None
         self.limit, self.alpha = args.swiglu_limit, args.swiglu_alpha
         self.grouped = grouped
+        self.adapted: dict[str, tuple[float, float]] = {}  # LoRA: stack -> (scale, dropout) of its adapters
+
+    def adapt(self, name: str, rank: int, scale: float, dropout: float) -> None:
+        """A low-rank update beside stack `name` (tessera.lora): `{name}_lora_a` [E, rank, in] and `{name}_lora_b`
+        [E, out, rank], adding scale * B_e A_e dropout(x) to expert e's output, as LoRA does beside a linear."""
+        w = getattr(self, name)
+        self.register_parameter(f"{name}_lora_a", nn.Parameter(w.new_empty(w.shape[0], rank, w.shape[2])))
+        self.register_parameter(f"{name}_lora_b", nn.Parameter(w.new_empty(w.shape[0], w.shape[1], rank)))
+        self.adapted[name] = (scale, dropout)
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not self.limit:
@@ -69,7 +80,9 @@ class Experts(nn.Module):
             b1, b2, b3 = (_local(b)[rows] for b in (self.w1_bias, self.w2_bias, self.w3_bias))
         else:
             b1 = b2 = b3 = 0
-        if self.grouped and _grouped_ok(x, w1, w2):
+        adapters = {n: (_local(getattr(self, f"{n}_lora_a")), _local(getattr(self, f"{n}_lora_b")))
+                    for n in self.adapted}
+        if self.grouped and _grouped_ok(x, w1, w2, *(t for pair in adapters.values() for t in pair)):
             offsets = counts.cumsum(0).to(torch.int32)
 
             def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # offs by keyword: torchao's Float8 weights
@@ -79,9 +92,17 @@ class Experts(nn.Module):
 
             def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return torch.cat([F.linear(part, w[e]) for e, part in enumerate(a.split(sizes))])
+
+        def project(a: torch.Tensor, name: str, w: torch.Tensor) -> torch.Tensor:
+            if name not in adapters:
+                return mm(a, w)
+            (scale, dropout), (lora_a, lora_b) = self.adapted[name], adapters[name]
+            dropped = F.dropout(a, dropout, self.training) if dropout else a
+            return mm(a, w) + scale * mm(mm(dropped, lora_a), lora_b)
+
         x = _ContiguousGrad.apply(x)
-        h = self._glu(mm(x, w1) + b1, mm(x, w3) + b3)
-        return _ContiguousGrad.apply(mm(h, w2)) + b2
+        h = self._glu(project(x, "w1", w1) + b1, project(x, "w3", w3) + b3)
+        return _ContiguousGrad.apply(project(h, "w2", w2)) + b2
 
 
 class Router(nn.Module):

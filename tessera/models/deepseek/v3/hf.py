@@ -159,3 +159,6 @@ def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | Non
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
             "first_k_dense_replace": args.first_k_dense, "rope_interleave": args.rope_interleave,
             "num_nextn_predict_layers": args.n_mtp}
+
+
+peft_param = shared.fused_expert_param

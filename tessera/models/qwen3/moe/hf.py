@@ -79,3 +79,6 @@ def hf_config(args: Qwen3MoeArgs, bos_id: int | None = None, eos_id: int | None 
             "mlp_only_layers": list(args.dense_layers),
             "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
             "norm_topk_prob": args.norm_topk_prob}
+
+
+peft_param = shared.fused_expert_param
