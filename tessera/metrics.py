@@ -32,8 +32,11 @@ def measure_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32, 
     return 2 * n**3 * iters / (time.perf_counter() - start)
 
 
-def peak_flops(device: torch.device) -> tuple[float, str]:
-    """(FLOP/s, where the number came from): a known GPU's datasheet, else a GEMM measured now."""
+def peak_flops(device: torch.device, given: float = 0.0) -> tuple[float, str]:
+    """(FLOP/s, where the number came from): `given` (metrics.peak_flops), a known GPU's datasheet, else a GEMM
+    measured now."""
+    if given:
+        return given, "metrics.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in _GPU_PEAK.items():

@@ -283,7 +283,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
     loader, val_loader = loaders["train"], loaders.get("validation")
     counts = lora.trained_counts(fam.counts(args, t.seq_len), cfg.lora)  # of the whole model, whatever this rank holds
-    peak, peak_source = peak_flops(world.device)
+    peak, peak_source = peak_flops(world.device, cfg.metrics.peak_flops)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters{f' ({counts.active:,} active)' if counts.active != counts.params else ''}, "
              f"vocab {args.vocab_size}; {world.size} rank(s) on "

@@ -43,9 +43,11 @@ from tessera.train import dp_mean, side_loss_metrics, train, train_step, validat
 from tessera.trainer import build_trainer
 from tests.launch import merge
 
+# max_norm below the tiny model's grad norms (~0.9): every step clips. MFU's denominator given: measuring a GEMM
+# (0.3 s on every rank) was most of a tiny case's time.
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "2",
         "--optimizer.lr", "3e-3", "--training.deterministic", "--metrics.log_freq", "1",
-        "--training.max_norm", "0.5"]  # below the tiny model's grad norms (~0.9): every step clips
+        "--training.max_norm", "0.5", "--metrics.peak_flops", "1e11"]
 
 
 def _trainer(argv: list[str], steps: int, dump: str):

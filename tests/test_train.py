@@ -3,14 +3,17 @@
 import json
 import tomllib
 
+import pytest
+
 from tests.launch import run_local
 
 
 def test_loss_falls_clearly_within_50_steps(tmp_path):
     rows = run_local(tmp_path, "--training.steps", "50", "--training.seq_len", "64", "--metrics.log_freq", "10",
-                     "--lr_scheduler.warmup_steps", "5")
+                     "--lr_scheduler.warmup_steps", "5", "--metrics.peak_flops", "1e12")
     # Byte-level loss starts near ln(258) = 5.55; learning the byte statistics of Python source takes it well below.
     assert rows[0]["loss"] > 4.5 and rows[-1]["loss"] < rows[0]["loss"] - 1.5
+    assert all(r["mfu"] == pytest.approx(r["tflops"]) for r in rows)  # over the given peak, 1e12 FLOP/s
 
 
 def test_outputs_config_metrics_and_validation(tmp_path):

@@ -218,6 +218,9 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package)")
+    peak_flops: float = opt(0.0, "the FLOP/s per device that mfu divides by (a GPU the datasheet table lacks, a "
+                            "fixed CPU figure); 0: a known GPU's datasheet bf16 peak, else a GEMM measured at start "
+                            "(0.3 s on each rank)", min=0.0)
     live_memory: bool = opt(False, "log live_peak_gib: the most bytes of live tensors (parameters, gradients, "
                             "optimizer state, activations, buffers) any rank held since the last log, counted op by "
                             "op on every device (what tessera.estimate predicts); slows each step")
