@@ -346,6 +346,20 @@ class Lora:
 
 
 @dataclass
+class Eval:
+    """Downstream tasks of lm-eval-harness on the live model while it trains (tessera.eval), and for
+    `python -m tessera.eval` on a checkpoint."""
+    tasks: list[str] = opt([], "lm-eval task names, or paths of task YAML files (their folders are searched for "
+                           "the tasks they include); empty: no evaluation")
+    interval: int = opt(0, "evaluate every N steps while training, and at the end; 0: at the end only", min=0)
+    limit: int = opt(0, "examples per task; 0: all of them", min=0)
+    batch_size: int = opt(8, "sequences per forward, per data-parallel rank", min=1)
+    num_fewshot: int = opt(0, "examples of the task put before each question", min=0)
+    max_gen_toks: int = opt(64, "tokens a generation task samples at most (a task's own max_gen_toks wins)",
+                            min=1)
+
+
+@dataclass
 class Generate:
     prompt: str = opt("", "text to continue (python -m tessera.generate); after the tokenizer's BOS")
     prompt_ids: list[str] = opt([], "token ids to continue instead of prompt, e.g. 1,2,3")
@@ -428,6 +442,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     lora: Lora = field(default_factory=Lora)
+    eval: Eval = field(default_factory=Eval)
     generate: Generate = field(default_factory=Generate)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 

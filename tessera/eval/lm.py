@@ -1,0 +1,200 @@
+"""Tessera's model as an lm-eval-harness language model (`TesseraLM`, registered as `tessera`).
+
+lm-eval turns a task into requests of three kinds, and this answers them over any Tessera decoder:
+- loglikelihood (context, continuation) -> (summed log-probability of the continuation, whether greedy decoding
+  would produce it): the two encoded together, cut from the left to the model's length, scored in batches;
+- loglikelihood_rolling (text) -> its summed log-probability, over windows of the model's length (lm-eval's
+  rolling windows, one token of context between them);
+- generate_until (context, gen_kwargs) -> greedy text with the model's KV cache, stopped at a stop sequence, the
+  EOS token or max_gen_toks.
+Tokens are encoded as lm-eval's `hf` backend encodes them (transformers' tokenizer of the folder, its special
+tokens as the tokenizer adds them), so the two score the same folder alike.
+
+Over several ranks (in-loop evaluation), each data-parallel rank answers its share of the requests (lm-eval deals
+them and pads them even); every rank runs the same number of forwards, as FSDP's collectives need, and rank 0
+gathers the results over the data-parallel group.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch.distributed.tensor import DTensor
+
+
+class ByteTokens:
+    """Tessera's byte tokenizer in the shape lm-eval's requests use (encode/decode, the special ids)."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.bos_token_id, self.eos_token_id = tokenizer, tokenizer.bos_id, tokenizer.eos_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.inner.decode([ids] if isinstance(ids, int) else list(ids))
+
+
+def lm_tokenizer(hf_assets_path: str, tokenizer):
+    """transformers' tokenizer of the folder (what lm-eval's `hf` backend encodes with), else the byte tokenizer."""
+    if not hf_assets_path:
+        return ByteTokens(tokenizer)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_assets_path)
+
+
+@register_model("tessera")
+class TesseraLM(TemplateLM):
+    def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, batch_size: int = 8,
+                 max_length: int = 2048, max_gen_toks: int = 256, group=None, checkpoint: str = "",
+                 hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
+        """In-loop: the live `model` and `tokenizer` (lm_tokenizer's); `group`: the data-parallel process group the
+        requests are dealt over. From lm-eval's command line (`--model tessera --model_args checkpoint=DIR,...`):
+        the checkpoint a Tessera run saved (DCP, any layout) or a Hugging Face folder, loaded in this process."""
+        super().__init__()
+        if model is None:
+            from tessera.pretrained import from_pretrained, pick_device
+
+            model, own = from_pretrained(checkpoint, pick_device(device), hf=hf, max_seq_len=int(max_length),
+                                         hf_assets_path=hf_assets_path)
+            tokenizer = lm_tokenizer(hf_assets_path or (checkpoint if _is_hf_folder(checkpoint) else ""), own)
+        self.model, self.tokenizer, self.group = model, tokenizer, group
+        self.batch_size_per_rank, self.max_length, self.max_gen_toks = int(batch_size), int(max_length), \
+            int(max_gen_toks)
+        self.device = next(model.parameters()).device
+        self._rank = dist.get_rank(group) if group is not None else 0
+        self._world_size = dist.get_world_size(group) if group is not None else 1
+
+    # lm-eval's hooks for several ranks: the data-parallel group
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size == 1:
+            return [obj]
+        out = [None] * self._world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out if self._rank == dst else None
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            dist.barrier(group=self.group)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:  # as lm-eval's hf backend: BOS, else EOS
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None:  # the tokenizer's own specials, unless the text starts with the prefix
+            add_special_tokens = not string.startswith(self.tokenizer.decode([self.prefix_token_id],
+                                                                             skip_special_tokens=False))
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+
+    def _forwards(self, mine: int) -> int:
+        """How many batches every rank runs: the most any rank has (FSDP's collectives pair up forwards)."""
+        if self._world_size == 1:
+            return mine
+        n = torch.tensor(mine, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return int(n)
+
+    @torch.no_grad()
+    def _logprobs(self, rows: list[list[int]]) -> torch.Tensor:
+        """log-softmax of the model's logits over rows padded on the right [B, T, V] (a causal model's positions
+        never see the padding after them)."""
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+        logits = self.model(ids)
+        if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
+            logits = logits.full_tensor()
+        return F.log_softmax(logits.float(), dim=-1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out, size = [], self.batch_size_per_rank
+        batches = [requests[i:i + size] for i in range(0, len(requests), size)]
+        for k in range(self._forwards(len(batches))):
+            batch = batches[k] if k < len(batches) else batches[-1][:1] if batches else [(None, [0], [0])]
+            rows, spans = [], []
+            for _, context, continuation in batch:
+                whole = (context + continuation)[-(self.max_length + 1):]
+                rows.append(whole[:-1])
+                spans.append((len(whole) - 1 - len(continuation), continuation))
+            logprobs = self._logprobs(rows)
+            if k >= len(batches):
+                continue  # a forward that only keeps the other ranks company
+            for row, (start, continuation) in zip(logprobs, spans, strict=True):
+                scores = row[start:start + len(continuation)]
+                target = torch.tensor(continuation, device=scores.device)
+                out.append((float(scores.gather(-1, target[:, None]).sum()),
+                            bool((scores.argmax(-1) == target).all())))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[owner] += logprob
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        out, pending = [], [req.args for req in requests]
+        for k in range(self._forwards(len(pending))):
+            context, gen_kwargs = pending[min(k, len(pending) - 1)] if pending else ("", {})
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            text = self._greedy(self.tok_encode(context)[-(self.max_length - kwargs["max_gen_toks"]):] or
+                                [self.prefix_token_id], until, kwargs["max_gen_toks"], done=k >= len(pending))
+            if k < len(pending):
+                out.append(postprocess_generated_text(text, until, None))
+        return out
+
+    def _greedy(self, prompt: list[int], until: list[str], max_new: int, done: bool) -> str:
+        """Greedy tokens after `prompt` with the KV cache until a stop sequence, EOS or `max_new`; over several
+        ranks every rank steps until all are done (`done`: this rank only keeps the others company)."""
+        weight = next(self.model.parameters())
+        cache = self.model.new_cache(1, len(prompt) + max_new, weight.dtype, self.device)
+        logits, new = self.model(torch.tensor([prompt], device=self.device), cache)[0, -1], []
+        for _ in range(max_new):
+            token = int(logits.argmax())
+            if not done:
+                new.append(token)
+                text = self.tokenizer.decode(new)
+                done = token == self.eot_token_id or any(stop in text for stop in until) or len(new) == max_new
+            if self._all(done):
+                break
+            logits = self.model(torch.tensor([[token]], device=self.device), cache)[0, -1]
+        return self.tokenizer.decode(new)
+
+    def _all(self, done: bool) -> bool:
+        if self._world_size == 1:
+            return done
+        flag = torch.tensor(int(done), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag)
+
+
+def _is_hf_folder(path: str) -> bool:
+    from tessera.pretrained import is_hf
+
+    return bool(path) and is_hf(path)
