@@ -42,15 +42,16 @@ FLOORS = (
      "folder), MoE training",
      ("tessera.models.contract", "tessera.models.common", "tessera.models", GROUP, "tessera.experts")),
     ("run parts", "the whole config (the families' sections mounted), and what a run is built from and checked by: "
-     "optimizers, checkpoints, the architecture resolved, inference loading, fault tolerance, the checks before any "
-     "rank starts",
+     "optimizers, checkpoints, the architecture resolved, inference loading, fault tolerance, downstream "
+     "evaluation, the checks before any rank starts",
      ("tessera.schema", "tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim",
-      "tessera.checkpoint", "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.preflight")),
+      "tessera.checkpoint", "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.eval",
+      "tessera.preflight")),
     ("trainer", "what a step runs, and the builders of a run", ("tessera.step", "tessera.trainer")),
     ("commands", "what a user runs (`python -m ...`); `tessera` itself exports `from_pretrained`",
      ("tessera.report", "tessera.train", "tessera.estimate", "tessera.plan", "tessera.generate", "tessera.convert",
       "tessera.loss_compare", "tessera.cache", "tessera.config_cli", "tessera.config.__main__", "tessera.launch",
-      "tessera.lighthouse", "tessera.data.prepare", "tessera")),
+      "tessera.lighthouse", "tessera.data.prepare", "tessera.eval.__main__", "tessera.eval.harness", "tessera")),
 )
 TOP = len(FLOORS) - 1
 

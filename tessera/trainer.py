@@ -22,6 +22,7 @@ from tessera.data import build_dataloader, build_tokenizer
 from tessera.data.masks import IGNORE
 from tessera.data.records import BadRecords
 from tessera.distributed import World, on_rank0
+from tessera.eval.loop import evaluator
 from tessera.ft import check as ft_check
 from tessera.ft.semisync import build_outer_state
 from tessera.memory import LiveBytes
@@ -66,7 +67,8 @@ class Trainer:
     bad_records: BadRecords  # data records skipped, both splits
     balancer: experts.Balancer | None  # MoE models: the expert-bias update and balance metrics
     progress: Progress  # step, tokens_seen, skipped_steps: what the checkpointer saves and restores of the loop
-    evaluate: Callable | None = None  # the family's own evaluation (OwnTraining.evaluate), after each step
+    evaluate: Callable | None = None  # after each step: the family's own evaluation (OwnTraining.evaluate), or
+    # [eval]'s lm-eval tasks (tessera.eval.loop)
     first_nonfinite: torch.Tensor | None = None  # on device: the first step whose loss or grad norm was not finite
     history: list[dict] = field(default_factory=list)
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
@@ -305,12 +307,15 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     if cfg.fault_tolerance.enable:
         from tessera.ft.replicas import ReplicaGroup
         replicas = ReplicaGroup(cfg, world, saved, fetch, balancer=balancer, model_args=args)
+    metrics = build_metrics(cfg, world, dict(fam.metrics))
+    evaluate = own.evaluate if own is not None else \
+        evaluator(cfg, tokenizer, lambda step, values: metrics.log(step, values, prefix="eval/"))
     tr = Trainer(cfg=cfg, world=world, step_parts=step, model_args=args, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
-                 metrics=build_metrics(cfg, world, dict(fam.metrics)), checkpointer=checkpointer, tokenizer=tokenizer,
+                 metrics=metrics, checkpointer=checkpointer, tokenizer=tokenizer,
                  flops_per_token=counts.flops_per_token, peak_flops=peak, token_loss=own is None,
                  batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
-                 progress=progress, evaluate=own.evaluate if own is not None else None,
+                 progress=progress, evaluate=evaluate,
                  live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas)
     return tr

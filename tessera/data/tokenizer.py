@@ -44,7 +44,7 @@ class HFTokenizer:
     def __init__(self, folder: str | Path):
         from tokenizers import Tokenizer as _Tokenizer  # deferred: only needed when a folder is configured
 
-        folder = Path(folder)
+        self.folder = folder = Path(folder)
         try:
             self._tok = _Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception for a corrupt file

@@ -15,6 +15,8 @@ them and pads them even); every rank runs the same number of forwards, as FSDP's
 gathers the results over the data-parallel group.
 """
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,6 +25,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("tessera")
 
 
 class ByteTokens:
@@ -38,34 +42,39 @@ class ByteTokens:
         return self.inner.decode([ids] if isinstance(ids, int) else list(ids))
 
 
-def lm_tokenizer(hf_assets_path: str, tokenizer):
-    """transformers' tokenizer of the folder (what lm-eval's `hf` backend encodes with), else the byte tokenizer."""
-    if not hf_assets_path:
+def lm_tokenizer(tokenizer):
+    """For Tessera's tokenizer: transformers' tokenizer of its folder (what lm-eval's `hf` backend encodes with),
+    or the byte tokenizer as it is."""
+    if getattr(tokenizer, "folder", None) is None:
         return ByteTokens(tokenizer)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(hf_assets_path)
+    return AutoTokenizer.from_pretrained(str(tokenizer.folder))
 
 
 @register_model("tessera")
 class TesseraLM(TemplateLM):
     def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, batch_size: int = 8,
-                 max_length: int = 2048, max_gen_toks: int = 256, group=None, checkpoint: str = "",
+                 max_length: int | None = None, max_gen_toks: int = 256, group=None, checkpoint: str = "",
                  hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
         """In-loop: the live `model` and `tokenizer` (lm_tokenizer's); `group`: the data-parallel process group the
-        requests are dealt over. From lm-eval's command line (`--model tessera --model_args checkpoint=DIR,...`):
-        the checkpoint a Tessera run saved (DCP, any layout) or a Hugging Face folder, loaded in this process."""
+        requests are dealt over; `max_length`: the model's by default. From lm-eval's command line (`--model
+        tessera --model_args checkpoint=DIR,...`): the checkpoint a Tessera run saved (DCP, any layout) or a
+        Hugging Face folder, loaded in this process."""
         super().__init__()
         if model is None:
             from tessera.pretrained import from_pretrained, pick_device
 
-            model, own = from_pretrained(checkpoint, pick_device(device), hf=hf, max_seq_len=int(max_length),
-                                         hf_assets_path=hf_assets_path)
-            tokenizer = lm_tokenizer(hf_assets_path or (checkpoint if _is_hf_folder(checkpoint) else ""), own)
+            if str(device).startswith("cuda") and not torch.cuda.is_available():  # lm-eval's default device
+                log.warning(f"tessera: device {device} asked for, and this machine has no GPU: cpu")
+                device = "cpu"
+            model, own = from_pretrained(checkpoint, pick_device(device), hf=_flag(hf),
+                                         max_seq_len=int(max_length or 0) or None, hf_assets_path=hf_assets_path)
+            tokenizer = lm_tokenizer(own)
         self.model, self.tokenizer, self.group = model, tokenizer, group
-        self.batch_size_per_rank, self.max_length, self.max_gen_toks = int(batch_size), int(max_length), \
-            int(max_gen_toks)
-        self.device = next(model.parameters()).device
+        self.batch_size_per_rank, self.max_gen_toks = int(batch_size), int(max_gen_toks)
+        self.max_length = int(max_length or model.args.max_seq_len)  # what lm-eval cuts contexts to
+        self._device = next(model.parameters()).device
         self._rank = dist.get_rank(group) if group is not None else 0
         self._world_size = dist.get_world_size(group) if group is not None else 1
 
@@ -194,7 +203,6 @@ class TesseraLM(TemplateLM):
         return bool(flag)
 
 
-def _is_hf_folder(path: str) -> bool:
-    from tessera.pretrained import is_hf
-
-    return bool(path) and is_hf(path)
+def _flag(value) -> bool | None:
+    """lm-eval's --model_args come as strings: hf=true."""
+    return value if value is None or isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")

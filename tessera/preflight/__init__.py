@@ -45,6 +45,7 @@ CHECKS = (
     options.compile,
     options.muon,
     options.lora,
+    options.evaluation,
     options.live_memory,
     layout.vocabulary,
 )

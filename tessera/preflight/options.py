@@ -205,6 +205,26 @@ def muon(d: Draft) -> None:
                           "training.enable_cpu_offload keeps them in host memory; use AdamW with CPU offload")
 
 
+def evaluation(d: Draft) -> None:
+    """[eval]: tasks lm-eval knows (or task YAMLs it reads), a model of tokens, a layout the in-loop evaluation runs
+    in."""
+    cfg = d.cfg
+    if not cfg.eval.tasks:
+        return
+    if d.family.spec().training is not None:
+        raise ConfigError(f"eval.tasks: {cfg.model.name} is no language model of tokens; lm-eval's tasks score "
+                          f"text (leave eval.tasks empty)")
+    other = [name for name, degree in (("tensor", d.dims.tp), ("pipeline", d.dims.pp), ("context", d.dims.cp))
+             if degree > 1]
+    if d.training and other:
+        raise ConfigError(f"eval.tasks: in-loop evaluation runs in one process and under data parallelism (FSDP, "
+                          f"HSDP, DDP, EP), not yet under {' or '.join(other)} parallelism; leave eval.tasks empty "
+                          f"and evaluate the checkpoints with python -m tessera.eval")
+    from tessera.eval.tasks import resolve
+
+    resolve(cfg.eval.tasks)
+
+
 def lora(d: Draft) -> None:
     cfg = d.cfg
     if not cfg.lora.rank:

@@ -1,0 +1,55 @@
+"""In-loop evaluation: the [eval] tasks of lm-eval-harness on the live model every `eval.interval` steps and at
+the end. Every rank takes part: each data-parallel rank answers its share of the requests with the model as it
+is sharded (tessera.eval.lm), rank 0 gathers and logs `eval/<task>/<metric>` and `eval/seconds`. Nothing of the
+run changes: the random generators' states are restored after it, and what MoE layers counted of its tokens is
+dropped (the expert-bias update counts training tokens only)."""
+
+import contextlib
+import random
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tessera.experts import moe_layers, reset_statistics
+
+
+def evaluator(cfg, tokenizer, log: Callable[[int, dict], None]) -> Callable | None:
+    """The trainer's `evaluate` hook (RunView, last step) -> whether it ran; None without eval.tasks. `log(step,
+    values)`: the run's metrics under `eval/`."""
+    if not cfg.eval.tasks:
+        return None
+    from tessera.eval.lm import TesseraLM, lm_tokenizer
+    from tessera.eval.tasks import evaluate, scores
+
+    tokens = lm_tokenizer(tokenizer)
+
+    def run(view, last: bool) -> bool:
+        every = cfg.eval.interval
+        if not (last or (every and view.step % every == 0)):
+            return False
+        start, group = time.perf_counter(), view.world.flat["dp"].get_group() if view.world.dims.dp > 1 else None
+        lm = TesseraLM(view.model, tokens, batch_size=cfg.eval.batch_size, max_length=cfg.training.seq_len,
+                       max_gen_toks=cfg.eval.max_gen_toks, group=group)
+        view.model.eval()
+        try:
+            with _rng_kept(view.world.device), view.autocast:
+                results = evaluate(lm, cfg)
+        finally:
+            view.model.train()
+            reset_statistics(moe_layers(view.model))
+        log(view.step, {**scores(results), "seconds": time.perf_counter() - start})
+        return True
+
+    return run
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device):
+    """lm-eval seeds Python's, NumPy's and torch's generators: the run's states come back after it."""
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
