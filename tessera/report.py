@@ -1,8 +1,9 @@
 """Run report: `python -m tessera.report DUMP_FOLDER [DUMP_FOLDER ...] [--out DIR]`.
 
 Reads each folder's metrics.jsonl and draws loss (with validation loss), learning rate, grad norm, tokens/s, MFU
-and memory against steps, the runs overlaid, into report.png, with report.md beside it (a table per run): in
-the first folder, or --out. The trainer writes one for its own folder at the end of a run.
+and memory against steps, and a panel per task of the in-loop evaluation (its metrics), the runs overlaid, into
+report.png, with report.md beside it (a table per run): in the first folder, or --out. The trainer writes one for
+its own folder at the end of a run.
 """
 
 import argparse
@@ -68,6 +69,26 @@ def replica_summary(name: str, run: dict[int, dict]) -> list[str]:
             f"{sync('ft/sync_bytes_per_token', 0.0):,.0f} | {sync('ft/sync_s', 0.0):.2f} |"]
 
 
+def eval_tasks(runs: dict[str, dict[int, dict]]) -> dict[str, list[str]]:
+    """{task: its metrics} of the in-loop evaluation's `eval/<task>/<metric>` (tessera.eval.loop)."""
+    tasks: dict[str, list[str]] = {}
+    for run in runs.values():
+        for metrics in run.values():
+            for key in metrics:
+                if key.startswith("eval/") and key.count("/") >= 2:
+                    task, metric = key.removeprefix("eval/").rsplit("/", 1)
+                    tasks.setdefault(task, [])
+                    if metric not in tasks[task]:
+                        tasks[task].append(metric)
+    return tasks
+
+
+def _label(ax, title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
 def write_report(folders: list[str], out: str | None = None) -> str | None:
     """report.png and report.md in `out` (default: the first folder); their path, or None without matplotlib."""
     try:
@@ -79,16 +100,25 @@ def write_report(folders: list[str], out: str | None = None) -> str | None:
         return None
     runs = {os.path.basename(os.path.normpath(f)) or f: read_run(f) for f in folders}
     out = out or folders[0]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+    tasks = eval_tasks(runs)
+    rows = 2 + math.ceil(len(tasks) / 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), constrained_layout=True, squeeze=False)
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         for i, (name, run) in enumerate(runs.items()):
             color = f"C{i}"
             ax.plot(*series(run, key), color=color, label=name)
             if key == "loss" and series(run, "validation/loss")[0]:
                 ax.plot(*series(run, "validation/loss"), color=color, linestyle="--", marker="o", markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+        _label(ax, title)
+    for ax, (task, metrics) in zip(axes.flat[len(PANELS):], tasks.items(), strict=False):
+        for i, name in enumerate(runs):  # one panel per task: its metrics, a line style each, across steps
+            for style, metric in zip(("-", "--", ":", "-."), metrics, strict=False):
+                ax.plot(*series(runs[name], f"eval/{task}/{metric}"), color=f"C{i}", linestyle=style, marker="o",
+                        markersize=3, label=f"{metric}" if len(runs) == 1 else f"{name} {metric}")
+        _label(ax, f"eval: {task}")
+        ax.legend(fontsize="small")
+    for ax in axes.flat[len(PANELS) + len(tasks):]:
+        ax.set_visible(False)
     axes.flat[0].legend()
     os.makedirs(out, exist_ok=True)
     png = os.path.join(out, "report.png")

@@ -4,6 +4,7 @@ tests/eval_tasks), the command lines, and bad input refused in one line."""
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -145,8 +146,10 @@ def _eval_rows(dump: Path) -> dict[int, dict]:
 def test_in_loop_scores_equal_tessera_eval_on_the_saved_checkpoint_and_change_nothing(tmp_path, capsys):
     """The tiny model trained 4 steps with the multiple-choice and generation tasks every 2 steps: its scores in
     metrics.jsonl at steps 2 and 4 (and the seconds they took), those of step 4 equal to `python -m tessera.eval`
-    on the checkpoint it saved; the run's losses equal those of the same run without evaluation."""
+    on the checkpoint it saved; the run's losses equal those of the same run without evaluation; its report has a
+    panel per task."""
     from tessera.eval.__main__ import main
+    from tessera.report import eval_tasks, read_run, write_report
     from tests.dist_worker import run_train
 
     saving = ["--checkpoint.enable", "--checkpoint.interval", "4"]
@@ -156,6 +159,10 @@ def test_in_loop_scores_equal_tessera_eval_on_the_saved_checkpoint_and_change_no
     scores = _eval_rows(tmp_path / "run")
     assert sorted(scores) == [2, 4] and all(s["seconds"] > 0 for s in scores.values())
     assert {"tessera_test_mc/acc", "tessera_test_mc/acc_norm", "tessera_test_gen/exact_match"} <= scores[4].keys()
+    runs = {"run": read_run(str(tmp_path / "run"))}  # the report: a panel per task, its metrics across steps
+    assert eval_tasks(runs) == {"tessera_test_mc": ["acc", "acc_norm"], "tessera_test_gen": ["exact_match"]}
+    png = write_report([str(tmp_path / "run")])
+    assert struct.unpack(">II", Path(png).read_bytes()[16:24]) == (1500, 1200)  # a third row of panels
     capsys.readouterr()
     assert main(["--checkpoint.initial_load_path", str(tmp_path / "run/checkpoint/step-4"), "--eval.tasks",
                  f"{YAMLS[0]},{YAMLS[2]}", "--eval.max_gen_toks", "4", "--json"]) == 0
@@ -164,19 +171,24 @@ def test_in_loop_scores_equal_tessera_eval_on_the_saved_checkpoint_and_change_no
 
 
 @pytest.mark.ranks
-def test_in_loop_scores_under_fsdp_equal_one_process(tmp_path):
-    """FSDP 2: each rank answers half the requests with the sharded model; rank 0's scores equal one process's."""
+def test_in_loop_scores_under_fsdp_and_ep_equal_one_process(tmp_path):
+    """FSDP 2, and Qwen 3 MoE under EP 2: each rank answers half the requests with the sharded model (experts on
+    their ranks, tokens sent to them); rank 0's scores equal one process's."""
     from tests.dist_worker import run_train
     from tests.launch import run_cases
 
-    run_cases(2, [[*EVAL, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "fsdp")]], 2,
-              mode="train")
-    run_train([*EVAL, "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "one")], 2)
-    fsdp, one = _eval_rows(tmp_path / "fsdp"), _eval_rows(tmp_path / "one")
-    assert sorted(fsdp) == sorted(one) == [2]
-    for key, value in one[2].items():
-        if key != "seconds":
-            assert fsdp[2][key] == pytest.approx(value, abs=1e-6), key
+    moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
+    layouts = {"fsdp": [], "ep": [*moe, "--parallelism.expert_parallel_degree", "2"]}
+    run_cases(2, [[*EVAL, *flags, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / name)]
+                  for name, flags in layouts.items()], 2, mode="train")
+    for name, flags in layouts.items():
+        one = [*EVAL, *flags[:4], "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / f"{name}1")]
+        run_train(one, 2)
+        got, want = _eval_rows(tmp_path / name), _eval_rows(tmp_path / f"{name}1")
+        assert sorted(got) == sorted(want) == [2] and len(want[2]) == 4, (name, want)
+        for key, value in want[2].items():
+            if key != "seconds":
+                assert got[2][key] == pytest.approx(value, abs=1e-6), (name, key)
 
 
 @pytest.mark.parametrize("argv, expect", [

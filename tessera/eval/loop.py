@@ -5,6 +5,7 @@ run changes: the random generators' states are restored after it, and what MoE l
 dropped (the expert-bias update counts training tokens only)."""
 
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -21,9 +22,9 @@ def evaluator(cfg, tokenizer, log: Callable[[int, dict], None]) -> Callable | No
     if not cfg.eval.tasks:
         return None
     from tessera.eval.lm import TesseraLM, lm_tokenizer
-    from tessera.eval.tasks import evaluate, scores
+    from tessera.eval.tasks import evaluate, scores, task_manager
 
-    tokens = lm_tokenizer(tokenizer)
+    tokens, manager = lm_tokenizer(tokenizer), task_manager(cfg.eval.tasks)
 
     def run(view, last: bool) -> bool:
         every = cfg.eval.interval
@@ -34,8 +35,8 @@ def evaluator(cfg, tokenizer, log: Callable[[int, dict], None]) -> Callable | No
                        max_gen_toks=cfg.eval.max_gen_toks, group=group)
         view.model.eval()
         try:
-            with _rng_kept(view.world.device), view.autocast:
-                results = evaluate(lm, cfg)
+            with _rng_kept(view.world.device), _quiet("lm_eval"), view.autocast:
+                results = evaluate(lm, cfg, manager)
         finally:
             view.model.train()
             reset_statistics(moe_layers(view.model))
@@ -43,6 +44,18 @@ def evaluator(cfg, tokenizer, log: Callable[[int, dict], None]) -> Callable | No
         return True
 
     return run
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """lm-eval's info lines (tasks built, requests run) left out of the training log; its warnings stay."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager
