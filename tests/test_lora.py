@@ -113,7 +113,11 @@ def test_bad_settings_are_refused_before_ranks_start(argv, expect):
      "lora: layers.0.feed_forward.experts.w2 has adapters, which PEFT cannot hold for this model; export with "
      "lora.merge_on_export = true .the final save"),
 ])
-def test_targets_and_ranks_the_model_cannot_take_are_refused_before_any_weight_exists(argv, expect):
+def test_targets_and_ranks_the_model_cannot_take_are_refused_before_ranks_start(argv, expect):
+    """By the launch check (run_train.sh's, before torchrun), on the model built on the meta device; a rank
+    started without it (torchrun -m tessera.train) refuses the same before any weight exists."""
+    with pytest.raises(ConfigError, match=expect):
+        validate(parse_args(merge(BASE, LORA, argv)), 1, launch=True, training=True)
     with tempfile.TemporaryDirectory() as dump, pytest.raises(ConfigError, match=expect):
         _trainer([*LORA, *argv], 1, dump)
 

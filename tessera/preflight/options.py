@@ -237,6 +237,16 @@ def lora(d: Draft) -> None:
                           "adapters beside frozen ones; use AdamW with lora.rank > 0")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules: empty; name the linears to adapt, e.g. [\"wq\", \"wv\"]")
+    if d.launch:  # the targets against the model's own names before any rank starts (torch, for LoRA runs only)
+        import torch
+
+        from tessera.checkpoint.peft import check_exportable
+        from tessera.lora import check_targets
+
+        with torch.device("meta"):
+            model = d.family.spec().model(d.args)
+        check_targets(model, cfg.lora)
+        check_exportable(model, cfg, cfg.model.name)
     if cfg.lora.initial_adapter_path:
         saved = _peft_config(cfg.lora.initial_adapter_path)
         for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
