@@ -170,19 +170,22 @@ def test_in_loop_scores_equal_tessera_eval_on_the_saved_checkpoint_and_change_no
 
 
 @pytest.mark.ranks
-def test_in_loop_scores_under_fsdp_and_ep_equal_one_process(tmp_path):
-    """FSDP 2, and Qwen 3 MoE under EP 2: each rank answers half the requests with the sharded model (experts on
-    their ranks, tokens sent to them); rank 0's scores equal one process's."""
+def test_in_loop_scores_under_fsdp_ep_and_tp_equal_one_process(tmp_path):
+    """FSDP 2, Qwen 3 MoE under EP 2 (experts on their ranks, tokens sent to them), and TP 2 (+SP: widths padded
+    to 2, generation without the cache): rank 0's scores equal one process's, each data-parallel rank answering its
+    share of the requests with the sharded model."""
     from tests.dist_worker import run_train
     from tests.launch import run_cases
 
     moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
-    layouts = {"fsdp": [], "ep": [*moe, "--parallelism.expert_parallel_degree", "2"]}
-    run_cases(2, [[*EVAL, *flags, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / name)]
-                  for name, flags in layouts.items()], 2, mode="train")
-    for name, flags in layouts.items():
-        one = [*EVAL, *flags[:4], "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / f"{name}1")]
-        run_train(one, 2)
+    # name: (the model's flags, the layout's, the local batch of 8 sequences a step)
+    layouts = {"fsdp": ([], [], "4"), "ep": (moe, ["--parallelism.expert_parallel_degree", "2"], "4"),
+               "tp": ([], ["--parallelism.tensor_parallel_degree", "2"], "8")}
+    run_cases(2, [[*EVAL, *model, *layout, "--training.local_batch_size", batch, "--job.dump_folder",
+                   str(tmp_path / name)] for name, (model, layout, batch) in layouts.items()], 2, mode="train")
+    for name, (model, _, _) in layouts.items():
+        run_train([*EVAL, *model, "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / f"{name}1")],
+                  2)
         got, want = _eval_rows(tmp_path / name), _eval_rows(tmp_path / f"{name}1")
         assert sorted(got) == sorted(want) == [2] and len(want[2]) == 4, (name, want)
         for key, value in want[2].items():
@@ -193,9 +196,9 @@ def test_in_loop_scores_under_fsdp_and_ep_equal_one_process(tmp_path):
 @pytest.mark.parametrize("argv, expect", [
     (["--job.config_file", str(ROOT / "configs/flux_debug.toml")], "eval.tasks: flux is no language model of "
                                                                    "tokens"),
-    (["--model.flavor", "tiny", "--parallelism.tensor_parallel_degree", "2"],
-     "eval.tasks: in-loop evaluation runs in one process and under data parallelism .* not yet under tensor "
-     "parallelism"),
+    (["--model.flavor", "tiny", "--parallelism.pipeline_parallel_degree", "2"],
+     "eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP and TP, not yet under "
+     "pipeline parallelism"),
 ])
 def test_in_loop_evaluation_is_refused_where_it_cannot_run(argv, expect):
     from tessera.preflight import validate

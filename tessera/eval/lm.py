@@ -55,12 +55,14 @@ def lm_tokenizer(tokenizer):
 @register_model("tessera")
 class TesseraLM(TemplateLM):
     def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, batch_size: int = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, group=None, checkpoint: str = "",
-                 hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
+                 max_length: int | None = None, max_gen_toks: int = 256, group=None, width_multiple: int = 1,
+                 checkpoint: str = "", hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
         """In-loop: the live `model` and `tokenizer` (lm_tokenizer's); `group`: the data-parallel process group the
-        requests are dealt over; `max_length`: the model's by default. From lm-eval's command line (`--model
-        tessera --model_args checkpoint=DIR,...`): the checkpoint a Tessera run saved (DCP, any layout) or a
-        Hugging Face folder, loaded in this process."""
+        requests are dealt over; `width_multiple`: the tensor-parallel degree, whose sequence parallelism splits
+        every forward's sequence evenly (widths are padded to it, and generation recomputes the sequence instead of
+        caching: a step's one token cannot be split); `max_length`: the model's by default. From lm-eval's command
+        line (`--model tessera --model_args checkpoint=DIR,...`): the checkpoint a Tessera run saved (DCP, any
+        layout) or a Hugging Face folder, loaded in this process."""
         super().__init__()
         if model is None:
             from tessera.pretrained import from_pretrained, pick_device
@@ -72,7 +74,8 @@ class TesseraLM(TemplateLM):
                                          max_seq_len=int(max_length or 0) or None, hf_assets_path=hf_assets_path)
             tokenizer = lm_tokenizer(own)
         self.model, self.tokenizer, self.group = model, tokenizer, group
-        self.batch_size_per_rank, self.max_gen_toks = int(batch_size), int(max_gen_toks)
+        self.batch_size_per_rank, self.max_gen_toks, self.width_multiple = int(batch_size), int(max_gen_toks), \
+            width_multiple
         self.max_length = int(max_length or model.args.max_seq_len)  # what lm-eval cuts contexts to
         self._device = next(model.parameters()).device
         self._rank = dist.get_rank(group) if group is not None else 0
@@ -124,12 +127,13 @@ class TesseraLM(TemplateLM):
     def _logprobs(self, rows: list[list[int]]) -> torch.Tensor:
         """log-softmax of the model's logits over rows padded on the right [B, T, V] (a causal model's positions
         never see the padding after them)."""
-        width = max(len(r) for r in rows)
+        return F.log_softmax(self._logits(rows).float(), dim=-1)
+
+    def _logits(self, rows: list[list[int]], cache=None) -> torch.Tensor:
+        width = -(-max(len(r) for r in rows) // self.width_multiple) * self.width_multiple
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
-        logits = self.model(ids)
-        if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
-            logits = logits.full_tensor()
-        return F.log_softmax(logits.float(), dim=-1)
+        logits = self.model(ids, cache) if cache is not None else self.model(ids)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocab-sharded: loss parallel
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out, size = [], self.batch_size_per_rank
@@ -181,9 +185,9 @@ class TesseraLM(TemplateLM):
     def _greedy(self, prompt: list[int], until: list[str], max_new: int, done: bool) -> str:
         """Greedy tokens after `prompt` with the KV cache until a stop sequence, EOS or `max_new`; over several
         ranks every rank steps until all are done (`done`: this rank only keeps the others company)."""
-        weight = next(self.model.parameters())
-        cache = self.model.new_cache(1, len(prompt) + max_new, weight.dtype, self.device)
-        logits, new = self.model(torch.tensor([prompt], device=self.device), cache)[0, -1], []
+        weight, cached = next(self.model.parameters()), self.width_multiple == 1
+        cache = self.model.new_cache(1, len(prompt) + max_new, weight.dtype, self.device) if cached else None
+        logits, new = self._logits([prompt], cache)[0, len(prompt) - 1], []
         for _ in range(max_new):
             token = int(logits.argmax())
             if not done:
@@ -192,7 +196,8 @@ class TesseraLM(TemplateLM):
                 done = token == self.eot_token_id or any(stop in text for stop in until) or len(new) == max_new
             if self._all(done):
                 break
-            logits = self.model(torch.tensor([[token]], device=self.device), cache)[0, -1]
+            tokens = prompt + new if not done else prompt + new + [token]  # a rank done only keeps company
+            logits = self._logits([[token]], cache)[0, -1] if cached else self._logits([tokens])[0, len(tokens) - 1]
         return self.tokenizer.decode(new)
 
     def _all(self, done: bool) -> bool:
