@@ -170,17 +170,19 @@ def test_in_loop_scores_equal_tessera_eval_on_the_saved_checkpoint_and_change_no
 
 
 @pytest.mark.ranks
-def test_in_loop_scores_under_fsdp_ep_and_tp_equal_one_process(tmp_path):
-    """FSDP 2, Qwen 3 MoE under EP 2 (experts on their ranks, tokens sent to them), and TP 2 (+SP: widths padded
-    to 2, generation without the cache): rank 0's scores equal one process's, each data-parallel rank answering its
-    share of the requests with the sharded model."""
+def test_in_loop_scores_under_fsdp_ep_tp_and_cp_equal_one_process(tmp_path):
+    """FSDP 2, Qwen 3 MoE under EP 2 (experts on their ranks, tokens sent to them), TP 2 (+SP: widths padded to 2,
+    generation without the cache) and CP 2 (each rank two chunks of every sequence, the logits gathered): rank 0's
+    scores equal one process's, each data-parallel rank answering its share of the requests with the sharded
+    model."""
     from tests.dist_worker import run_train
     from tests.launch import run_cases
 
     moe = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe"]
     # name: (the model's flags, the layout's, the local batch of 8 sequences a step)
     layouts = {"fsdp": ([], [], "4"), "ep": (moe, ["--parallelism.expert_parallel_degree", "2"], "4"),
-               "tp": ([], ["--parallelism.tensor_parallel_degree", "2"], "8")}
+               "tp": ([], ["--parallelism.tensor_parallel_degree", "2"], "8"),
+               "cp": ([], ["--parallelism.context_parallel_degree", "2"], "8")}
     run_cases(2, [[*EVAL, *model, *layout, "--training.local_batch_size", batch, "--job.dump_folder",
                    str(tmp_path / name)] for name, (model, layout, batch) in layouts.items()], 2, mode="train")
     for name, (model, _, _) in layouts.items():
@@ -197,7 +199,7 @@ def test_in_loop_scores_under_fsdp_ep_and_tp_equal_one_process(tmp_path):
     (["--job.config_file", str(ROOT / "configs/flux_debug.toml")], "eval.tasks: flux is no language model of "
                                                                    "tokens"),
     (["--model.flavor", "tiny", "--parallelism.pipeline_parallel_degree", "2"],
-     "eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP and TP, not yet under "
+     "eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP, TP and CP, not yet under "
      "pipeline parallelism"),
 ])
 def test_in_loop_evaluation_is_refused_where_it_cannot_run(argv, expect):

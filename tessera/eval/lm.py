@@ -16,6 +16,7 @@ gathers the results over the data-parallel group.
 """
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch.distributed.tensor import DTensor
+
+from tessera.parallel import cp
 
 log = logging.getLogger("tessera")
 
@@ -56,11 +59,14 @@ def lm_tokenizer(tokenizer):
 class TesseraLM(TemplateLM):
     def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, batch_size: int = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, group=None, width_multiple: int = 1,
-                 checkpoint: str = "", hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
+                 cp_group=None, checkpoint: str = "", hf: bool | None = None, hf_assets_path: str = "",
+                 device: str = "auto", **_):
         """In-loop: the live `model` and `tokenizer` (lm_tokenizer's); `group`: the data-parallel process group the
         requests are dealt over; `width_multiple`: the tensor-parallel degree, whose sequence parallelism splits
         every forward's sequence evenly (widths are padded to it, and generation recomputes the sequence instead of
-        caching: a step's one token cannot be split); `max_length`: the model's by default. From lm-eval's command
+        caching: a step's one token cannot be split); `cp_group`: context parallelism's, whose ranks each run two
+        chunks of every sequence (widths padded to 2 x its size, no cache); `max_length`: the model's by default.
+        From lm-eval's command
         line (`--model tessera --model_args checkpoint=DIR,...`): the checkpoint a Tessera run saved (DCP, any
         layout) or a Hugging Face folder, loaded in this process."""
         super().__init__()
@@ -74,8 +80,9 @@ class TesseraLM(TemplateLM):
                                          max_seq_len=int(max_length or 0) or None, hf_assets_path=hf_assets_path)
             tokenizer = lm_tokenizer(own)
         self.model, self.tokenizer, self.group = model, tokenizer, group
-        self.batch_size_per_rank, self.max_gen_toks, self.width_multiple = int(batch_size), int(max_gen_toks), \
-            width_multiple
+        self.batch_size_per_rank, self.max_gen_toks, self.cp_group = int(batch_size), int(max_gen_toks), cp_group
+        cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.width_multiple = math.lcm(width_multiple, 2 * cp) if cp > 1 else width_multiple
         self.max_length = int(max_length or model.args.max_seq_len)  # what lm-eval cuts contexts to
         self._device = next(model.parameters()).device
         self._rank = dist.get_rank(group) if group is not None else 0
@@ -132,8 +139,12 @@ class TesseraLM(TemplateLM):
     def _logits(self, rows: list[list[int]], cache=None) -> torch.Tensor:
         width = -(-max(len(r) for r in rows) // self.width_multiple) * self.width_multiple
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
-        logits = self.model(ids, cache) if cache is not None else self.model(ids)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocab-sharded: loss parallel
+        if self.cp_group is not None:  # this rank's chunks of the sequence, at their positions; then all of them
+            rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+            positions = torch.arange(width, device=self.device).expand(ids.shape)
+            local = self.model(cp.shard_sequence(ids, rank, size), positions=cp.shard_sequence(positions, rank, size))
+            return cp.gather_sequence(_full(local), self.cp_group)
+        return _full(self.model(ids, cache) if cache is not None else self.model(ids))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out, size = [], self.batch_size_per_rank
@@ -185,7 +196,7 @@ class TesseraLM(TemplateLM):
     def _greedy(self, prompt: list[int], until: list[str], max_new: int, done: bool) -> str:
         """Greedy tokens after `prompt` with the KV cache until a stop sequence, EOS or `max_new`; over several
         ranks every rank steps until all are done (`done`: this rank only keeps the others company)."""
-        weight, cached = next(self.model.parameters()), self.width_multiple == 1
+        weight, cached = next(self.model.parameters()), self.width_multiple == 1  # no TP or CP
         cache = self.model.new_cache(1, len(prompt) + max_new, weight.dtype, self.device) if cached else None
         logits, new = self._logits([prompt], cache)[0, len(prompt) - 1], []
         for _ in range(max_new):
@@ -206,6 +217,10 @@ class TesseraLM(TemplateLM):
         flag = torch.tensor(int(done), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag)
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocab-sharded under loss parallel
 
 
 def _flag(value) -> bool | None:

@@ -32,7 +32,8 @@ def evaluator(cfg, tokenizer, log: Callable[[int, dict], None]) -> Callable | No
             return False
         start, group = time.perf_counter(), view.world.flat["dp"].get_group() if view.world.dims.dp > 1 else None
         lm = TesseraLM(view.model, tokens, batch_size=cfg.eval.batch_size, max_length=cfg.training.seq_len,
-                       max_gen_toks=cfg.eval.max_gen_toks, group=group, width_multiple=view.world.dims.tp)
+                       max_gen_toks=cfg.eval.max_gen_toks, group=group, width_multiple=view.world.dims.tp,
+                       cp_group=view.world.mesh["cp"].get_group() if view.world.dims.cp > 1 else None)
         view.model.eval()
         try:
             with _rng_kept(view.world.device), _quiet("lm_eval"), view.autocast:

@@ -47,6 +47,13 @@ def _in_order(parts, cp: int, dim: int) -> torch.Tensor:
     return torch.cat(ordered, dim=dim)
 
 
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Every rank's two chunks (shard_sequence's) -> the whole sequence along `dim`, on every rank (no gradient)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return _in_order(parts, len(parts), dim)
+
+
 class _AllGather(torch.autograd.Function):
     """[...] on each rank -> [ranks, ...]; backward sums each rank's gradient for every piece back to its owner.
     (torch.distributed.nn's version mis-addresses sub-groups on gloo.)"""

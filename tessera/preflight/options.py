@@ -214,12 +214,12 @@ def evaluation(d: Draft) -> None:
     if d.family.spec().training is not None:
         raise ConfigError(f"eval.tasks: {cfg.model.name} is no language model of tokens; lm-eval's tasks score "
                           f"text (leave eval.tasks empty)")
-    other = [name for name, degree in (("pipeline", d.dims.pp), ("context", d.dims.cp))
+    other = [name for name, degree in (("pipeline", d.dims.pp),)
              if degree > 1]
     if d.training and other:
-        raise ConfigError(f"eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP and "
-                          f"TP, not yet under {' or '.join(other)} parallelism; leave eval.tasks empty and evaluate "
-                          f"the checkpoints with python -m tessera.eval")
+        raise ConfigError(f"eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP, TP "
+                          f"and CP, not yet under {' or '.join(other)} parallelism; leave eval.tasks empty and "
+                          f"evaluate the checkpoints with python -m tessera.eval")
     from tessera.eval.tasks import resolve
 
     resolve(cfg.eval.tasks)
