@@ -158,6 +158,8 @@ def validate_loss(tr: Trainer) -> float:
         total += forward_backward(tr.step_parts, inputs, labels, train=False)
         trained += trained_tokens(labels) if tr.token_loss else 0
     tr.step_parts.model.train()
+    if tr.balancer is not None:  # what MoE layers counted of the held-out tokens is no load the next update balances
+        reset_statistics(tr.balancer.layers)
     total = pp_share(total, tr)
     if tr.token_loss:
         return (dp_cp_sum(total, tr.world) / dp_cp_sum(trained, tr.world).clamp(min=1)).item()

@@ -121,3 +121,17 @@ def test_load_balancing_evens_the_expert_load():
     assert "moe_aux_loss" in runs["aux"][-1] and "moe_aux_loss" not in runs["off"][-1]
     # Summed over the 2 layers, each near its floor (coef x 1 when perfectly even).
     assert runs["aux"][-1]["moe_aux_loss"] == pytest.approx(2 * 0.01, rel=0.2)
+
+
+def test_validation_leaves_the_expert_load_counts_to_training(tmp_path):
+    """The held-out batches' routing is no load the next bias update balances: after validation every MoE layer's
+    counts (and balancing loss) are zero again, as after a step's update."""
+    from tessera.train import train_step, validate_loss
+    from tests.dist_worker import _trainer
+
+    tr = _trainer(["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe", "--validation.enable",
+                   "--validation.steps", "1", "--moe.aux_loss_coef", "0.01"], 1, str(tmp_path))
+    train_step(tr)
+    validate_loss(tr)
+    layers = tr.balancer.layers
+    assert layers and all(m.tokens_per_expert.sum() == 0 and m.aux_loss_sum == 0 for m in layers)
