@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.common.side_loss import SideLoss
 from tessera.parallel.tp import local, loss_context
@@ -19,6 +20,7 @@ class Pipeline:
     last: bool  # this rank runs the last stage (computes the loss)
     group: torch.distributed.ProcessGroup
     parts: list[nn.Module]  # this rank's stages' modules
+    stages: list  # their torch PipelineStages
 
 
 @dataclass
@@ -72,3 +74,19 @@ def forward_backward(step: StepParts, inputs: dict, labels: torch.Tensor, train:
     if not losses:
         return torch.zeros((), device=step.device)
     return local(torch.stack([local(x) for x in losses]).sum().detach())
+
+
+@torch.no_grad()
+def pipeline_outputs(step: StepParts, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The model's outputs (logits) of a local batch of `tokens` [local batch, seq_len], the training's shape (the
+    stages' buffers have it), run forward through the schedule: on the last stage, whole (gathered under loss
+    parallelism); None on the others. The schedule's loss of them is computed (on zero labels) and dropped."""
+    pipe = step.pipeline
+    with loss_context(step.loss_parallel), step.autocast:
+        out = pipe.schedule.eval(*([tokens] if pipe.first else []), target=torch.zeros_like(tokens) if pipe.last
+                                 else None, return_outputs=pipe.last)
+    for stage in pipe.stages:  # what the schedule kept of this batch (its outputs, activations) goes now
+        stage.clear_runtime_states()
+    if not pipe.last:
+        return None
+    return out.full_tensor() if isinstance(out, DTensor) else out  # vocab-sharded under loss parallel

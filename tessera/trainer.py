@@ -182,10 +182,11 @@ def build_model(cfg: JobConfig, world: World, spec, args, loss: Callable,
         spec.parallelize(part, world, cfg)
         _materialize(part, world, cfg)
         part.train()
-    schedule, _ = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
-                                    lambda out, labels: loss(out, labels) * scale.value)
+    schedule, stages = pp.build_schedule(parts, stage_ids, n_stages, pp_mesh, world.device, cfg,
+                                         lambda out, labels: loss(out, labels) * scale.value)
     view = pp.parts_view(parts, spec.first_stage + spec.last_stage, spec.blocks)
-    return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group(), parts)
+    return view, Pipeline(schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh.get_group(), parts,
+                          stages)
 
 
 def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipeline: Pipeline | None,
@@ -309,7 +310,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
         replicas = ReplicaGroup(cfg, world, saved, fetch, balancer=balancer, model_args=args)
     metrics = build_metrics(cfg, world, dict(fam.metrics))
     evaluate = own.evaluate if own is not None else \
-        evaluator(cfg, tokenizer, lambda step, values: metrics.log(step, values, prefix="eval/"))
+        evaluator(cfg, tokenizer, lambda at, values: metrics.log(at, values, prefix="eval/"), step)
     tr = Trainer(cfg=cfg, world=world, step_parts=step, model_args=args, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
                  metrics=metrics, checkpointer=checkpointer, tokenizer=tokenizer,

@@ -353,7 +353,8 @@ class Eval:
                            "the tasks they include); empty: no evaluation")
     interval: int = opt(0, "evaluate every N steps while training, and at the end; 0: at the end only", min=0)
     limit: int = opt(0, "examples per task; 0: all of them", min=0)
-    batch_size: int = opt(8, "sequences per forward, per data-parallel rank", min=1)
+    batch_size: int = opt(8, "sequences per forward, per data-parallel rank (under PP: training.local_batch_size)",
+                          min=1)
     num_fewshot: int = opt(0, "examples of the task put before each question; 0: the task's own number (most: "
                            "none)", min=0)
     max_gen_toks: int = opt(64, "tokens a generation task samples at most (a task's own max_gen_toks wins)",

@@ -17,6 +17,7 @@ gathers the results over the data-parallel group.
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,16 @@ def lm_tokenizer(tokenizer):
 class TesseraLM(TemplateLM):
     def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, batch_size: int = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, group=None, width_multiple: int = 1,
-                 cp_group=None, checkpoint: str = "", hf: bool | None = None, hf_assets_path: str = "",
-                 device: str = "auto", **_):
+                 cp_group=None, forward: Callable | None = None, stage_group=None, checkpoint: str = "",
+                 hf: bool | None = None, hf_assets_path: str = "", device: str = "auto", **_):
         """In-loop: the live `model` and `tokenizer` (lm_tokenizer's); `group`: the data-parallel process group the
         requests are dealt over; `width_multiple`: the tensor-parallel degree, whose sequence parallelism splits
         every forward's sequence evenly (widths are padded to it, and generation recomputes the sequence instead of
         caching: a step's one token cannot be split); `cp_group`: context parallelism's, whose ranks each run two
-        chunks of every sequence (widths padded to 2 x its size, no cache); `max_length`: the model's by default.
+        chunks of every sequence (widths padded to 2 x its size, no cache); `forward`: ids [B, T] -> logits, or None on
+        a rank that holds none (a pipeline stage before the last), instead of calling the model (no cache);
+        `stage_group`: the ranks of one such forward, which share its results (pipelining's group); `max_length`:
+        the model's by default.
         From lm-eval's command
         line (`--model tessera --model_args checkpoint=DIR,...`): the checkpoint a Tessera run saved (DCP, any
         layout) or a Hugging Face folder, loaded in this process."""
@@ -80,6 +84,7 @@ class TesseraLM(TemplateLM):
                                          max_seq_len=int(max_length or 0) or None, hf_assets_path=hf_assets_path)
             tokenizer = lm_tokenizer(own)
         self.model, self.tokenizer, self.group = model, tokenizer, group
+        self.forward, self.stage_group = forward, stage_group
         self.batch_size_per_rank, self.max_gen_toks, self.cp_group = int(batch_size), int(max_gen_toks), cp_group
         cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.width_multiple = math.lcm(width_multiple, 2 * cp) if cp > 1 else width_multiple
@@ -130,15 +135,21 @@ class TesseraLM(TemplateLM):
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
         return int(n)
 
-    @torch.no_grad()
-    def _logprobs(self, rows: list[list[int]]) -> torch.Tensor:
-        """log-softmax of the model's logits over rows padded on the right [B, T, V] (a causal model's positions
-        never see the padding after them)."""
-        return F.log_softmax(self._logits(rows).float(), dim=-1)
+    def _shared(self, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """`value` computed where the logits are, on every rank of the stage group (`like`: its zeros elsewhere)."""
+        if self.stage_group is None:
+            return value
+        value = value if value is not None else like
+        dist.all_reduce(value, group=self.stage_group)  # one rank's value, zeros from the others
+        return value
 
-    def _logits(self, rows: list[list[int]], cache=None) -> torch.Tensor:
+    def _logits(self, rows: list[list[int]], cache=None) -> torch.Tensor | None:
+        """The logits of `rows` padded on the right [B, T, V] (a causal model's positions never see the padding
+        after them); None on a rank that holds none (see `forward`)."""
         width = -(-max(len(r) for r in rows) // self.width_multiple) * self.width_multiple
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+        if self.forward is not None:
+            return self.forward(ids)
         if self.cp_group is not None:  # this rank's chunks of the sequence, at their positions; then all of them
             rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
             positions = torch.arange(width, device=self.device).expand(ids.shape)
@@ -146,6 +157,7 @@ class TesseraLM(TemplateLM):
             return cp.gather_sequence(_full(local), self.cp_group)
         return _full(self.model(ids, cache) if cache is not None else self.model(ids))
 
+    @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out, size = [], self.batch_size_per_rank
         batches = [requests[i:i + size] for i in range(0, len(requests), size)]
@@ -156,15 +168,24 @@ class TesseraLM(TemplateLM):
                 whole = (context + continuation)[-(self.max_length + 1):]
                 rows.append(whole[:-1])
                 spans.append((len(whole) - 1 - len(continuation), continuation))
-            logprobs = self._logprobs(rows)
-            if k >= len(batches):
-                continue  # a forward that only keeps the other ranks company
-            for row, (start, continuation) in zip(logprobs, spans, strict=True):
-                scores = row[start:start + len(continuation)]
-                target = torch.tensor(continuation, device=scores.device)
-                out.append((float(scores.gather(-1, target[:, None]).sum()),
-                            bool((scores.argmax(-1) == target).all())))
+            results = self._shared(self._scores(rows, spans), torch.zeros(len(rows), 2, device=self.device))
+            if k < len(batches):  # else a forward that only keeps the other ranks company
+                out += [(logprob, bool(greedy)) for logprob, greedy in results.tolist()]
         return out
+
+    def _scores(self, rows: list[list[int]], spans: list[tuple[int, list[int]]]) -> torch.Tensor | None:
+        """[B, 2]: each row's log-likelihood of its continuation (its tokens from `start`), and whether that is the
+        greedy one (1.0)."""
+        logits = self._logits(rows)
+        if logits is None:
+            return None
+        logprobs, out = F.log_softmax(logits.float(), dim=-1), []
+        for row, (start, continuation) in zip(logprobs, spans, strict=True):
+            scores = row[start:start + len(continuation)]
+            target = torch.tensor(continuation, device=scores.device)
+            greedy = (scores.argmax(-1) == target).all().float()
+            out.append(torch.stack([scores.gather(-1, target[:, None]).sum(), greedy]))
+        return torch.stack(out)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
@@ -196,11 +217,10 @@ class TesseraLM(TemplateLM):
     def _greedy(self, prompt: list[int], until: list[str], max_new: int, done: bool) -> str:
         """Greedy tokens after `prompt` with the KV cache until a stop sequence, EOS or `max_new`; over several
         ranks every rank steps until all are done (`done`: this rank only keeps the others company)."""
-        weight, cached = next(self.model.parameters()), self.width_multiple == 1  # no TP or CP
+        weight, cached = next(self.model.parameters()), self.width_multiple == 1 and self.forward is None
         cache = self.model.new_cache(1, len(prompt) + max_new, weight.dtype, self.device) if cached else None
-        logits, new = self._logits([prompt], cache)[0, len(prompt) - 1], []
+        token, new = self._argmax(prompt, len(prompt) - 1, cache), []
         for _ in range(max_new):
-            token = int(logits.argmax())
             if not done:
                 new.append(token)
                 text = self.tokenizer.decode(new)
@@ -208,8 +228,14 @@ class TesseraLM(TemplateLM):
             if self._all(done):
                 break
             tokens = prompt + new if not done else prompt + new + [token]  # a rank done only keeps company
-            logits = self._logits([[token]], cache)[0, -1] if cached else self._logits([tokens])[0, len(tokens) - 1]
+            token = self._argmax([token], 0, cache) if cached else self._argmax(tokens, len(tokens) - 1)
         return self.tokenizer.decode(new)
+
+    def _argmax(self, row: list[int], at: int, cache=None) -> int:
+        """The greedy token after position `at` of `row`."""
+        logits = self._logits([row], cache)
+        token = logits[0, at].argmax() if logits is not None else None
+        return int(self._shared(token, torch.zeros((), dtype=torch.long, device=self.device)))
 
     def _all(self, done: bool) -> bool:
         if self._world_size == 1:

@@ -214,12 +214,10 @@ def evaluation(d: Draft) -> None:
     if d.family.spec().training is not None:
         raise ConfigError(f"eval.tasks: {cfg.model.name} is no language model of tokens; lm-eval's tasks score "
                           f"text (leave eval.tasks empty)")
-    other = [name for name, degree in (("pipeline", d.dims.pp),)
-             if degree > 1]
-    if d.training and other:
-        raise ConfigError(f"eval.tasks: in-loop evaluation runs in one process and under FSDP, HSDP, DDP, EP, TP "
-                          f"and CP, not yet under {' or '.join(other)} parallelism; leave eval.tasks empty and "
-                          f"evaluate the checkpoints with python -m tessera.eval")
+    if d.training and d.dims.pp > 1 and d.dims.cp > 1:
+        raise ConfigError("eval.tasks: in-loop evaluation runs under pipeline or context parallelism, not yet both "
+                          "(the schedule's stages would each need the sequence's chunks); leave eval.tasks empty and "
+                          "evaluate the checkpoints with python -m tessera.eval")
     from tessera.eval.tasks import resolve
 
     resolve(cfg.eval.tasks)
