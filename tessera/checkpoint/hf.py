@@ -74,8 +74,9 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     model_state = {**model_state, **by_experts(model_state)}
     family = family or models.family_of(args).name
     hf = models.family(family).hf
+    names = bound(hf, args)
     # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
-    state = {k: v.to(dtype or v.dtype).contiguous() for k, v in hf.to_hf(model_state).items()}
+    state = {k: v.to(dtype or v.dtype).contiguous() for k, v in names.to_hf(model_state).items()}
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # global sizes, also for DTensors
     if dist.is_initialized():  # the file index covers every rank's tensors (pipeline stages hold different ones)
         gathered = [None] * dist.get_world_size()
@@ -205,12 +206,13 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
         raise HFError(f"cannot read the safetensors files in '{folder}': {type(e).__name__}: {e}") from None
     fam = models.family(family)
+    names = bound(fam.hf, args)
     # An adapter may read the model under other names beside other models' tensors (Llama 4's multimodal
     # releases): stored_names maps each stored name to its to_hf name, or to None (not the model's).
     stored = fam.hf.stored_names(saved) if hasattr(fam.hf, "stored_names") else {n: n for n in saved}
     saved = {stored[n]: m for n, m in saved.items() if stored[n] is not None}
     # A model released in one layout and saved by transformers in another reads the folder's.
-    to_hf = fam.hf.to_hf_for(saved) if hasattr(fam.hf, "to_hf_for") else fam.hf.to_hf
+    to_hf = names.to_hf_for(saved) if hasattr(names, "to_hf_for") else names.to_hf
     if fit.note and _rank0():
         log.warning(f"{folder}: {fit.note}")
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
@@ -233,12 +235,12 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         if name in scales:
             continue
         if name not in whole:
-            ours = _our_name(fam.hf, name, whole)
+            ours = _our_name(names, name, whole)
             raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
                 f"the model built has no {ours}" if ours else f"no {family} parameter maps to it"))
     for name, t in whole.items():
         if name not in sizes:
-            ours = _our_name(fam.hf, name, whole)
+            ours = _our_name(names, name, whole)
             raise HFError(f"missing tensor '{name}'{f' (for {ours})' if ours else ''} in '{folder}'")
         if sizes[name] != tuple(t.shape):
             raise HFError(f"shape mismatch for '{name}' in '{folder}': checkpoint {list(sizes[name])}, "
@@ -259,10 +261,16 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         mxfp4.unpack_into(targets[name], reads[name + mxfp4.BLOCKS], reads[name + mxfp4.SCALES])
     # Not strict: the folder was checked to hold every tensor of the model above; what the adapter leaves out
     # is state HF's format has no place for (an expert selection bias), kept as it is.
-    loaded = fam.hf.from_hf(targets)
+    loaded = names.from_hf(targets)
     for name, value in regrouped.items():  # filled in place (left out of from_hf's) or stacked anew
         loaded[name] = loaded.get(name, value).redistribute(state[name].device_mesh, state[name].placements)
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+
+
+def bound(hf, args):
+    """The adapter's to_hf, from_hf (and to_hf_for) for a model of `args`: `bind(args)`'s where its layout depends on
+    the architecture (Qwen3-Next's projections fused per key head), else its own."""
+    return hf.bind(args) if hasattr(hf, "bind") else hf
 
 
 _EXPERTS = re.compile(r"\.experts\.w[123](_bias)?$")

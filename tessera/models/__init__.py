@@ -9,10 +9,11 @@ import json
 import os
 from typing import NamedTuple
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux", "qwen3_5", "qwen3_5_moe",
+            "qwen3_next")
 # The folder (under tessera/models/) of each family in a group; any other family's is named as the family.
 IN_GROUPS = {"qwen3": "qwen3.dense", "qwen3_moe": "qwen3.moe", "deepseek_v3": "deepseek.v3",
-             "qwen3_5": "qwen3_5.dense", "qwen3_5_moe": "qwen3_5.moe"}
+             "qwen3_5": "qwen3_5.dense", "qwen3_5_moe": "qwen3_5.moe", "qwen3_next": "qwen3_5.next"}
 
 
 def family(name: str):

@@ -33,7 +33,9 @@ class HFAdapter(Protocol):
     folders come in more than one layout (to_hf: the one exports write); `carried`, a Carried;
     `peft_param(stack)` -> (transformers' parameter, its position among its module's parameters, block, blocks):
     where an expert stack of ours is held, as one of `blocks` blocks of output rows; None for another name
-    (tessera.checkpoint.peft: LoRA on experts in PEFT's form)."""
+    (tessera.checkpoint.peft: LoRA on experts in PEFT's form); `bind(args)` -> an object with the to_hf, from_hf
+    and to_hf_for a model of `args` loads and exports with, for a layout that depends on the architecture (the
+    unbound ones then map what they can without it)."""
 
     def to_hf(self, state: dict) -> dict: ...
 

@@ -1,8 +1,11 @@
-"""Qwen 3.5's hyper-parameters, shared by its dense family (tessera/models/qwen3_5/dense) and its MoE family
-(qwen3_5_moe): a hybrid of Gated DeltaNet blocks and gated full-attention blocks (`layer_types`). Torch-free."""
+"""Qwen 3.5's hyper-parameters, shared by its dense family (tessera/models/qwen3_5/dense), its MoE family
+(qwen3_5_moe) and Qwen3-Next (both MoE ones build on `Qwen35MoeArgs`): a hybrid of Gated DeltaNet blocks and gated
+full-attention blocks (`layer_types`). Torch-free."""
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from tessera.models.common.moe_args import MoEArgs
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -55,6 +58,21 @@ class Qwen35Args:
     def arch(self) -> dict:
         """What the model computes with, to compare two args."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
+
+
+@dataclass
+class Qwen35MoeArgs(Qwen35Args):
+    n_experts: int = 256
+    top_k: int = 8
+    moe_hidden: int = 512  # each routed expert's SwiGLU hidden size
+    shared_hidden: int = 512  # the gated shared expert's
+
+    @property
+    def moe(self) -> MoEArgs:  # every block has experts; top-k weights renormalized (transformers always does)
+        return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, route_norm=True)
+
+    def arch(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("max_seq_len", "ffn_hidden")}
 
 
 def param_role(name: str, shape: tuple[int, ...]) -> str | None:

@@ -34,16 +34,25 @@ def deltanet_act(a, chunk: int = CHUNK) -> float:
     return 2 * a.linear_v_heads * (dk * dv / chunk + 6 * dk + 3 * dv + 3 * chunk)
 
 
+def moe_ffn(args) -> tuple[int, int]:
+    """One MoE block's FFN (all of it, what a token uses): a router, E experts (top_k active), the shared expert
+    and its gate."""
+    expert = 3 * args.dim * args.moe_hidden
+    common = args.dim * args.n_experts + 3 * args.dim * args.shared_hidden + args.dim
+    return common + args.n_experts * expert, common + args.top_k * expert
+
+
 def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Counts:
-    """`ffn_params`/`ffn_active`: one block's FFN, all of it and what one token uses. Attention FLOPs grow with
-    the sequence only in the full-attention blocks (12 H hd S each); a DeltaNet block's are constant per token."""
+    """`ffn_params`/`ffn_active`: the FFNs of all blocks together, all of them and what one token uses. Attention
+    FLOPs grow with the sequence only in the full-attention blocks (12 H hd S each); a DeltaNet block's are
+    constant per token."""
     linear = sum(args.linear(i) for i in range(args.n_layers))
     full = args.n_layers - linear
     mixers = linear * deltanet_params(args) + full * attention_params(args)
     table = args.vocab_size * args.dim
     embedding = 0 if args.tie_embeddings else table
     common = table + embedding + args.dim + mixers + args.n_layers * 2 * args.dim
-    params, active = common + args.n_layers * ffn_params, common + args.n_layers * ffn_active
+    params, active = common + ffn_params, common + ffn_active
     flops = 6 * (active - embedding) + 12 * full * args.n_heads * args.head_dim * seq_len \
         + linear * deltanet_flops_per_token(args)
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops,

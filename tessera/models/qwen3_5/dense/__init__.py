@@ -10,7 +10,7 @@ from tessera.models.qwen3_5.options import Qwen35Options, check
 
 
 def counts(args, seq_len: int) -> Counts:
-    swiglu = 3 * args.dim * args.ffn_hidden
+    swiglu = args.n_layers * 3 * args.dim * args.ffn_hidden
     return hybrid_counts(args, seq_len, swiglu, swiglu)
 
 

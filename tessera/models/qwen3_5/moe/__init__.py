@@ -3,17 +3,15 @@ shared expert scaled by a learned sigmoid gate."""
 
 from tessera.models.contract import Counts, Family
 from tessera.models.qwen3_5.args import param_role
-from tessera.models.qwen3_5.counts import check_hybrid_layout, hybrid_counts
+from tessera.models.qwen3_5.counts import check_hybrid_layout, hybrid_counts, moe_ffn
 from tessera.models.qwen3_5.moe import hf
 from tessera.models.qwen3_5.moe.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 from tessera.models.qwen3_5.options import Qwen35Options, check as check_options
 
 
 def counts(args, seq_len: int) -> Counts:
-    """Per block: a router, E experts (top_k active), the shared expert and its gate."""
-    expert, common = 3 * args.dim * args.moe_hidden, args.dim * args.n_experts + 3 * args.dim * args.shared_hidden
-    return hybrid_counts(args, seq_len, common + args.dim + args.n_experts * expert,
-                         common + args.dim + args.top_k * expert)
+    every, active = moe_ffn(args)
+    return hybrid_counts(args, seq_len, args.n_layers * every, args.n_layers * active)
 
 
 def check(cfg, args, dims) -> None:

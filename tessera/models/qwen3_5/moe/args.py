@@ -7,27 +7,7 @@ overrides). "35B-A3B" is also transformers' `Qwen3_5MoeTextConfig` defaults (its
 Qwen/Qwen3.5-35B-A3B); slime's Megatron scripts (THUDM/slime scripts/models) give the same attention, experts and
 rope_theta for 35B-A3B and 397B-A17B."""
 
-import dataclasses
-from dataclasses import dataclass
-
-from tessera.models.common.moe_args import MoEArgs
-from tessera.models.qwen3_5.args import FULL, LINEAR, Qwen35Args
-
-
-@dataclass
-class Qwen35MoeArgs(Qwen35Args):
-    n_experts: int = 256
-    top_k: int = 8
-    moe_hidden: int = 512  # each routed expert's SwiGLU hidden size
-    shared_hidden: int = 512  # the gated shared expert's
-
-    @property
-    def moe(self) -> MoEArgs:  # every block has experts; top-k weights renormalized (transformers always does)
-        return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, route_norm=True)
-
-    def arch(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("max_seq_len", "ffn_hidden")}
-
+from tessera.models.qwen3_5.args import FULL, LINEAR, Qwen35MoeArgs
 
 # name: dim, layers, heads, kv heads, head_dim, linear k heads, v heads, k/v head dim, experts, top-k, expert and
 # shared hidden
