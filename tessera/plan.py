@@ -18,6 +18,7 @@ of the same degrees that keep more (less recomputation, a larger batch)."""
 import copy
 import dataclasses
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -285,6 +286,10 @@ def main(argv: list[str]) -> int:
             cfg.training.seq_len = values["seq_len"]
         if cfg.model.flavor == "":
             raise ConfigError("--model.flavor: required; the size to plan for (e.g. 8B)")
+        assets = cfg.model.hf_assets_path  # a plan needs no tokenizer: the flavor says the vocabulary
+        if assets and not os.path.isfile(os.path.join(assets, "tokenizer.json")):
+            print(f"tessera: no tokenizer.json in {assets}: the flavor's vocabulary is taken", file=sys.stderr)
+            cfg.model.hf_assets_path = ""
         clu = cluster(values)
         planned = copy.deepcopy(cfg)
         planned.fault_tolerance.enable = False  # one replica group is planned (its lighthouse is no concern here)

@@ -256,14 +256,16 @@ def test_a_few_blocks_scaled_give_the_exact_trace(flags, ranks, tmp_path):
         assert abs(b.peak / a.peak - 1) < 0.01 and b.params == a.params and b.act == a.act, (a, b)
 
 
-def test_plan_for_8b_on_8_gpus_of_80_gib(capsys):
-    """plan's best layout fits by the estimate (checked again here) and includes FSDP; bad input is one line, exit
-    2."""
+def test_plan_for_8b_on_8_gpus_of_80_gib(capsys, tmp_path):
+    """plan's best layout fits by the estimate (checked again here) and includes FSDP; a tokenizer not downloaded
+    yet is no reason to refuse (one line: the flavor's vocabulary); bad input is one line, exit 2."""
     from tessera.plan import main
 
     assert main(["--model.name", "llama3", "--model.flavor", "8B", "--gpus", "8", "--gpu_memory_gib", "80",
-                 "--seq_len", "8192", "--top", "1", "--json"]) == 0
-    found = json.loads(capsys.readouterr().out)
+                 "--seq_len", "8192", "--top", "1", "--json", "--model.hf_assets_path", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.err.strip() == f"tessera: no tokenizer.json in {tmp_path}: the flavor's vocabulary is taken"
+    found = json.loads(out.out)
     assert len(found) == 1 and found[0]["tokens_per_s"] > 0 and found[0]["ac"] in AC_MODES
     best = found[0]["overrides"]
     assert best["parallelism"]["data_parallel_shard_degree"] > 1

@@ -28,7 +28,8 @@ RUN = ["--training.steps", "20", "--metrics.log_freq", "1", "--training.determin
        "--metrics.enable_tensorboard", "false", "--training.local_batch_size", "2"]
 SHORTER = ["--training.seq_len", "64"]
 FAMILIES = {"llama3": SHORTER, "qwen3": SHORTER, "qwen3_moe": SHORTER, "deepseek_v3": SHORTER, "gpt_oss": SHORTER,
-            "llama4": SHORTER, "flux": ["--flux.sample_freq", "0"], "qwen3_5": SHORTER, "qwen3_5_moe": SHORTER}
+            "llama4": SHORTER, "flux": ["--flux.sample_freq", "0"], "qwen3_5": SHORTER, "qwen3_5_moe": SHORTER,
+            "qwen3_next": SHORTER}
 
 
 def curve(family: str, dump) -> list[float]:

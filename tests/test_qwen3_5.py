@@ -311,6 +311,7 @@ def test_a_releases_mtp_head_goes_unchanged_into_the_runs_export(tmp_path, capsy
 STEPS = 3
 _DENSE = ["--model.name", "qwen3_5", "--model.flavor", "tiny", "--qwen3_5.chunk_size", "8"]
 _MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel_moe", "--qwen3_5_moe.chunk_size", "8"]
+_NEXT = ["--model.name", "qwen3_next", "--model.flavor", "debugmodel_next", "--qwen3_next.chunk_size", "8"]
 
 
 @pytest.mark.ranks
@@ -318,12 +319,13 @@ def test_layouts_equal_one_process(tmp_path):
     """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
     head; also with each block compiled whole-graph: the chunked DeltaNet's scan, triangular solves and causal
     convolution trace without a break), PP (each stage a DeltaNet and a full-attention block) of the dense model;
-    EP and TP of the MoE one.
+    EP and TP of the MoE one; EP (FSDP beside it on the dense blocks) and PP (each stage a dense and a MoE block) of
+    Qwen3-Next's.
     Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
     from tests.launch import assert_matches, one_process, run_cases
 
     refs = {name: one_process([*argv, "--training.local_batch_size", "8"], STEPS)
-            for name, argv in (("dense", _DENSE), ("moe", _MOE))}
+            for name, argv in (("dense", _DENSE), ("moe", _MOE), ("next", _NEXT))}
     tp, pp = ("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.pipeline_parallel_degree", "2")
     cases = {"dense fsdp2": [*_DENSE, "--training.local_batch_size", "4"],
              "dense tp2": [*_DENSE, "--training.local_batch_size", "8", *tp],
@@ -333,7 +335,9 @@ def test_layouts_equal_one_process(tmp_path):
                                    "selective", "--activation_checkpoint.selective_ac_option", "op"],
              "dense pp2": [*_DENSE, "--training.local_batch_size", "8", *pp],
              "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
-             "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp]}
+             "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp],
+             "next ep2": [*_NEXT, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+             "next pp2": [*_NEXT, "--training.local_batch_size", "8", *pp]}
     for name, got in zip(cases, run_cases(2, list(cases.values()), STEPS), strict=True):
         try:
             assert_matches(got, refs[name.split()[0]], 1e-5)
@@ -417,10 +421,10 @@ def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, l
 def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
     """TP 2 with EP 2: each rank reads and writes its shards of DeltaNet's fused q/k/v and convolution (DTensors
     split by head, as FSDP splits them too) and of the experts, from a folder transformers saved (one tensor per
-    expert) and from one in the released layout (fused experts); lr 0 keeps the weights, so the export equals the
-    transformers model exactly."""
+    expert) and from one in the released layout (fused experts); and of Qwen3-Next's projections fused per key head;
+    lr 0 keeps the weights, so the export equals the transformers model exactly."""
     from safetensors.torch import save_file
-    from transformers import Qwen3_5MoeForCausalLM
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
     from tests.launch import run_dist
 
@@ -433,8 +437,13 @@ def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
            "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
            "--checkpoint.last_save_in_hf", "--training.local_batch_size", "2",
            "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
-    for name in ("hf_in", "released"):
-        run_dist(2, tmp_path / f"tp_ep_{name}", *run, "--checkpoint.initial_load_path", str(tmp_path / name))
-        exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / f"tp_ep_{name}/checkpoint/exports/step-1")
-        for key, value in theirs.state_dict().items():
+    from tests.test_qwen3_next import ODD, _theirs as next_model
+
+    next_in = next_model(tmp_path / "next_in", **{**ODD["sparse_step_and_mlp_only"], "vocab_size": 300})
+    for name, model, cls in (("hf_in", theirs, Qwen3_5MoeForCausalLM), ("released", theirs, Qwen3_5MoeForCausalLM),
+                             ("next_in", next_in, Qwen3NextForCausalLM)):
+        family = ["--model.name", "qwen3_next"] if name == "next_in" else []
+        run_dist(2, tmp_path / f"tp_ep_{name}", *run, *family, "--checkpoint.initial_load_path", str(tmp_path / name))
+        exported = cls.from_pretrained(tmp_path / f"tp_ep_{name}/checkpoint/exports/step-1")
+        for key, value in model.state_dict().items():
             torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=f"{name} {key}")

@@ -38,18 +38,23 @@ def _layers(state: dict, leaf: str) -> list[str]:
     return sorted({n.split(".")[2] for n in state if n.endswith(f".linear_attn.{leaf}.weight")}, key=int)
 
 
+def _per_key_head(args) -> tuple[int, list[int], list[int]]:
+    """(key heads, rows of q, k, v, z per key head, rows of b, a per key head)."""
+    r = args.linear_v_heads // args.linear_k_heads
+    dk, dv = args.linear_k_dim, args.linear_v_dim
+    return args.linear_k_heads, [dk, dk, r * dv, r * dv], [r, r]
+
+
 def _fuse(state: dict, args) -> dict:
     """Qwen 3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a -> Qwen3-Next's in_proj_qkvz and in_proj_ba."""
-    kh, dk, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_dim
-    r = args.linear_v_heads // kh
+    heads, qkvz, ba = _per_key_head(args)
     out = dict(state)
     for layer in _layers(state, "in_proj_qkv"):
         at = _LINEAR.format(layer) + "{}.weight"
         qkv, z = out.pop(at.format("in_proj_qkv")), out.pop(at.format("in_proj_z"))
-        q, k, v = _split_qkv(qkv, kh * dk)
-        out[at.format("in_proj_qkvz")] = _interleave([q, k, v, z], [dk, dk, r * dv, r * dv], kh)
+        out[at.format("in_proj_qkvz")] = _interleave([*_split_qkv(qkv, heads * qkvz[0]), z], qkvz, heads)
         b, a = out.pop(at.format("in_proj_b")), out.pop(at.format("in_proj_a"))
-        out[at.format("in_proj_ba")] = _interleave([b, a], [r, r], kh)
+        out[at.format("in_proj_ba")] = _interleave([b, a], ba, heads)
     return out
 
 
@@ -62,16 +67,15 @@ def _split_qkv(qkv, qk_rows: int) -> list:
 def _unfuse(state: dict, args) -> dict:
     import torch
 
-    kh, dk, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_dim
-    r = args.linear_v_heads // kh
+    heads, qkvz, ba = _per_key_head(args)
     out = dict(state)
     for layer in _layers(state, "in_proj_qkvz"):
         at = _LINEAR.format(layer) + "{}.weight"
-        q, k, v, z = _deinterleave(out.pop(at.format("in_proj_qkvz")), [dk, dk, r * dv, r * dv], kh)
+        q, k, v, z = _deinterleave(out.pop(at.format("in_proj_qkvz")), qkvz, heads)
         out[at.format("in_proj_qkv")] = None if q is None else torch.cat([q, k, v])
         out[at.format("in_proj_z")] = z
         out[at.format("in_proj_b")], out[at.format("in_proj_a")] = _deinterleave(out.pop(at.format("in_proj_ba")),
-                                                                                 [r, r], kh)
+                                                                                 ba, heads)
     return out
 
 
