@@ -44,7 +44,7 @@ FLOORS = (
     ("run parts", "the whole config (the families' sections mounted), and what a run is built from and checked by: "
      "optimizers, checkpoints, the architecture resolved, inference loading, fault tolerance, downstream "
      "evaluation, the checks before any rank starts",
-     ("tessera.schema", "tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.optim",
+     ("tessera.schema", "tessera.run_plan", "tessera.param_groups", "tessera.muon", "tessera.qk_clip", "tessera.optim",
       "tessera.checkpoint", "tessera.architecture", "tessera.pretrained", "tessera.ft", "tessera.eval",
       "tessera.preflight")),
     ("trainer", "what a step runs, the in-loop evaluation over it, and the builders of a run",

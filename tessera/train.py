@@ -92,6 +92,8 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
     tr.optimizer.zero_grad()
     for side in tr.step_parts.side_losses:
         side.reset()
+    if tr.qk_clip is not None:
+        tr.qk_clip.reset()
     loss_total, times = torch.zeros((), device=tr.world.device), []
     batches = step_batches(tr, times)
     if tr.token_loss:  # all loaded first: the step's loss is normalized by their trained tokens
@@ -116,6 +118,8 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
             tr.first_nonfinite = torch.full((), float("inf"), device=tr.world.device)
         tr.first_nonfinite = torch.where(bad, tr.first_nonfinite.clamp(max=tr.progress.step + 1), tr.first_nonfinite)
         tr.optimizer.step()
+        if tr.qk_clip is not None:
+            tr.qk_clip.after_step()
         if tr.after_optimizer_step is not None:
             tr.after_optimizer_step()
         if tr.balancer is not None:
@@ -282,6 +286,8 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
         record.update({f"mix/{name}": share for name, share in tr.loader.shares().items()})
     if tr.balancer is not None:
         record.update(tr.balancer.metrics(tr.world.device))
+    if tr.qk_clip is not None:
+        record.update(tr.qk_clip.metrics(tr.world.device))
     record.update(side_loss_metrics(tr))
     record.update(live_memory_metrics(tr))
     if tr.replicas is not None:

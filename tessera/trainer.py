@@ -39,6 +39,7 @@ from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
 from tessera.param_groups import param_role
+from tessera.qk_clip import QKClip
 from tessera.run_plan import Batch, ResolvedRun
 from tessera.step import LossScale, Pipeline, StepParts
 
@@ -73,6 +74,7 @@ class Trainer:
     history: list[dict] = field(default_factory=list)
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
+    qk_clip: QKClip | None = None  # optimizer.qk_clip_threshold: MuonClip's QK-clip after each optimizer step
 
 
 def run_view(tr: Trainer) -> RunView:
@@ -201,6 +203,17 @@ def build_balancer(cfg: JobConfig, world: World, args, model: nn.Module, pipelin
                             pipeline.group if pipeline is not None else None, micro_batches)
 
 
+def build_qk_clip(cfg: JobConfig, world: World, fam, args, model: nn.Module,
+                  pipeline: Pipeline | None) -> QKClip | None:
+    if not cfg.optimizer.qk_clip_threshold:
+        return None
+    dims = world.dims
+    return QKClip(model, fam.qk_clip(args), cfg.optimizer.qk_clip_threshold,
+                  dp_group=world.flat["dp"].get_group() if dims.dp > 1 else None,
+                  tp_group=world.mesh["tp"].get_group() if dims.tp > 1 else None,
+                  pp_group=pipeline.group if pipeline is not None else None)
+
+
 def build_side_losses(cfg: JobConfig, model: nn.Module, micro_batches: int,
                       pipeline: Pipeline | None = None) -> list[SideLoss]:
     """The weighted side losses, of every stage under pipelining (each stage's model reads its weight)."""
@@ -318,5 +331,6 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
                  batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
                  progress=progress, evaluate=evaluate,
-                 live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas)
+                 live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas,
+                 qk_clip=build_qk_clip(cfg, world, fam, args, model, pipeline))
     return tr

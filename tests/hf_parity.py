@@ -10,6 +10,19 @@ from tessera.generate import from_pretrained, generate
 from tessera.models import family, hf_args
 
 
+def initialized(fam, args, seed: int = 0):
+    """Family `fam`'s model of `args` on CPU, initialized as training starts it (its param_init, seeded)."""
+    with torch.device("meta"):
+        model = fam.spec().model(args)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.param_init(name, p, gen)
+    return model
+
+
 def import_hf(name: str, folder, seq: int = 32):
     """(model, args): family `name`'s model of the HF folder's config.json, a RoPE table of `seq` positions, its
     weights loaded; eval mode, on CPU."""

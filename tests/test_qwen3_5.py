@@ -14,7 +14,7 @@ from tessera.checkpoint.hf import load_hf
 from tessera.generate import generate
 from tessera.models import family, hf_args, num_params
 from tessera.models.common.deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from tests.hf_parity import assert_round_trip
+from tests.hf_parity import assert_round_trip, initialized
 
 DENSE, MOE = family("qwen3_5"), family("qwen3_5_moe")
 L, F = "linear_attention", "full_attention"
@@ -70,14 +70,9 @@ def test_packed_documents_equal_each_document_alone():
 
 
 def _random_model(fam, args):
-    with torch.device("meta"):
-        model = fam.spec().model(args)
-    model.to_empty(device="cpu")
-    model.init_buffers(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
+    model, gen = initialized(fam, args), torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            model.param_init(name, p, gen)
+        for p in model.parameters():
             if p.dim() == 1:  # norms at 0 (1-centred) and the like: perturbed, so that they count
                 p.add_(torch.rand(p.shape, generator=gen) * 0.4)
     return model.eval()

@@ -74,6 +74,10 @@ class Optimizer:
     muon_update_scale: str = opt("match_rms_adamw", "Muon: lr factor per matrix [rows, cols]: match_rms_adamw = "
                                  "0.2 sqrt(max(rows, cols)), the update RMS of AdamW (its lr carries over); original "
                                  "= sqrt(max(1, rows/cols)); none = 1", choices=("match_rms_adamw", "original", "none"))
+    qk_clip_threshold: float = opt(0.0, "MuonClip's QK-clip (Kimi K2): after each Muon step, a head whose largest "
+                                   "attention logit of the step exceeded this has its query/key projections scaled "
+                                   "to bring it down to it (MLA: the parts without RoPE by sqrt(t/S), the query's "
+                                   "RoPE part by t/S); 0: off (Kimi K2 trained with 100)", min=0.0)
     state_dtype: str = opt("float32", "AdamW/Adam (not Muon): dtype of the two moments between steps: bfloat16 "
                            "halves the optimizer state (parameters, gradients and the update stay float32; each "
                            "parameter's update widens its moments for the step, one parameter at a time)",

@@ -156,6 +156,9 @@ class Family:
     own_data: bool = False  # it brings its own data (ModelSpec.training) and checks it in `check`, in place of the text
     # data's checks
     metrics: Mapping[str, str] = field(default_factory=dict)  # {metric it adds: its label on the console line}
+    qk_clip: Callable[[Any], Mapping[str, tuple[tuple[int, float], ...]]] | None = None  # (args) -> {projection of
+    # an attention module (one holding a CausalSDPA `sdpa`): per head, its output rows as (rows, power of gamma)
+    # segments}: how QK-clip (optimizer.qk_clip_threshold, tessera.qk_clip) scales a head; None: it takes none
     trains_absent_parts: Callable[[Any], bool] | None = None  # (cfg): whether the run trains parts that its
     # adapter's fit_to_weights may find absent from a Hugging Face folder (then they start freshly initialized)
 

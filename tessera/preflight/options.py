@@ -203,6 +203,22 @@ def muon(d: Draft) -> None:
     if cfg.optimizer.name == "Muon" and cfg.training.enable_cpu_offload:
         raise ConfigError("optimizer.name: Muon sends matrix shards between ranks' devices at each step, and "
                           "training.enable_cpu_offload keeps them in host memory; use AdamW with CPU offload")
+    if cfg.optimizer.qk_clip_threshold:
+        qk_clip(d)
+
+
+def qk_clip(d: Draft) -> None:
+    cfg, what = d.cfg, "optimizer.qk_clip_threshold"
+    if cfg.optimizer.name != "Muon":
+        raise ConfigError(f"{what}: QK-clip is MuonClip's (Muon's updates grow attention logits), and optimizer.name "
+                          f"is {cfg.optimizer.name}; set optimizer.name = \"Muon\" or {what} = 0")
+    if d.family.qk_clip is None:
+        raise ConfigError(f"{what}: {cfg.model.name} says no way to scale its heads' query and key projections "
+                          f"(MLA's: deepseek_v3, Kimi K2); set it to 0")
+    if d.dims.cp > 1:
+        raise ConfigError(f"{what}: a head's largest logit takes each query against every key, which context "
+                          f"parallelism splits over ranks; not yet under CP (set it to 0 or "
+                          f"parallelism.context_parallel_degree = 1)")
 
 
 def evaluation(d: Draft) -> None:

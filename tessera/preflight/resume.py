@@ -115,6 +115,10 @@ def _check_resumed_optimizer(cfg, path: str, saved: dict) -> None:
         raise ConfigError(f"optimizer.{key}: {ours[key]!r}, but the optimizer state of the checkpoint at {path} is "
                           f"{theirs['name']}'s with {key} = {theirs[key]!r}; set it back to resume, or add optimizer "
                           f"and lr_scheduler to checkpoint.exclude_from_loading to start the optimizer afresh")
+    clip = saved.get("qk_clip_threshold", defaults["qk_clip_threshold"])
+    if ours["qk_clip_threshold"] != clip:
+        log.warning(f"optimizer.qk_clip_threshold: {clip} in the checkpoint at {path}, {ours['qk_clip_threshold']} "
+                    f"from here on")
 
 
 # What a checkpoint's data position (a count of global samples) is a position in: other values of these settings

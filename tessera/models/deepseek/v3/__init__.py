@@ -29,9 +29,17 @@ def counts(args, seq_len: int) -> Counts:
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
 
 
+def qk_clip(args) -> dict[str, tuple[tuple[int, float], ...]]:
+    """MLA's QK-clip (the Kimi K2 report): per head, the query's rows without RoPE and the keys' (from wkv_b) by
+    sqrt(gamma), the query's RoPE rows by gamma; the values' rows and the shared RoPE key untouched."""
+    query = "wq_b" if args.q_lora_rank else "wq"
+    return {query: ((args.qk_nope_head_dim, 0.5), (args.qk_rope_head_dim, 1.0)),
+            "wkv_b": ((args.qk_nope_head_dim, 0.5), (args.v_head_dim, 0.0))}
+
+
 FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.deepseek.v3.spec:SPEC",
                 hf_model_type="deepseek_v3", options=DeepSeekV3Options, check=check,
                 moved_options={"training.mtp_loss_weight": "mtp_loss_weight"}, metrics={"mtp_loss": "mtp"},
-                trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0)
+                trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0, qk_clip=qk_clip)
