@@ -200,6 +200,10 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     if diffs:
         raise HFError(f"{folder / 'config.json'} describes another model than the one built, in {len(diffs)} "
                       f"field(s): {'; '.join(diffs)}; build config.json's architecture (leave model.flavor empty)")
+    method = _quantization(folder).get("quant_method")
+    if method not in (None, "fp8", "mxfp4"):
+        raise HFError(f"{folder / 'config.json'}: quantization_config quant_method = {method!r}; Tessera dequantizes "
+                      f"fp8 (block) and mxfp4 weights as it reads them, not these; pass dequantized (bf16) weights")
     reader = _reader(folder)
     try:
         saved = reader.read_metadata().state_dict_metadata
@@ -294,9 +298,11 @@ _SCALE = ".weight_scale_inv"
 
 def _quantization(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("quantization_config") or text.get("quantization_config") or {}
 
 
 def _reader(folder: Path) -> HuggingFaceStorageReader:

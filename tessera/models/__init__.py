@@ -63,7 +63,7 @@ def family_of_hf_config(config: dict, where: str):
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     names = {config.get("model_type"), text.get("model_type"), config.get("_class_name")} - {None}
     for name in FAMILIES:
-        if family(name).hf_model_type in names:
+        if {family(name).hf_model_type, *family(name).hf_also_reads} & names:
             return family(name)
     known = ", ".join(family(n).hf_model_type for n in FAMILIES)
     said = " or ".join(f"{k} {config[k]!r}" for k in ("model_type", "_class_name") if k in config) or "no model_type"

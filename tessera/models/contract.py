@@ -143,6 +143,7 @@ class Family:
     high_precision: tuple[str, ...]  # modules float8/MX never convert: the output head
     torch_side: str  # "module:attribute" of its ModelSpec
     hf_model_type: str  # config.json's model_type (transformers), or _class_name (diffusers)
+    hf_also_reads: tuple[str, ...] = ()  # other model_types whose folders its adapter reads (Kimi K2's: DeepSeek V3's)
     output: str = "output.weight"  # the output head's parameter (optimizer.output_lr_multiplier)
     param_role: Callable[[str, tuple[int, ...]], str | None] | None = None  # (name, shape) -> an optimizer role
     # (tessera.param_groups.ROLES) where the family's differs from the rules on names and shapes; None: the rules'

@@ -40,6 +40,6 @@ def qk_clip(args) -> dict[str, tuple[tuple[int, float], ...]]:
 FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.deepseek.v3.spec:SPEC",
-                hf_model_type="deepseek_v3", options=DeepSeekV3Options, check=check,
+                hf_model_type="deepseek_v3", hf_also_reads=hf.ALSO_READS, options=DeepSeekV3Options, check=check,
                 moved_options={"training.mtp_loss_weight": "mtp_loss_weight"}, metrics={"mtp_loss": "mtp"},
                 trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0, qk_clip=qk_clip)

@@ -73,11 +73,16 @@ _TABLE = {
     "16B": (2048, 27, 16, 0, 512, 128, 64, 128, 10944, 1408, 64, 2, 6, "softmax", 1, 1, 1.0, 1, 102400, 0),
     "236B": (5120, 60, 128, 1536, 512, 128, 64, 128, 12288, 1536, 160, 2, 6, "softmax", 8, 3, 16.0, 1, 102400, 0),
     "671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280, 1),
+    # Kimi K2 (moonshotai/Kimi-K2-Base's config.json; K2.5's text model the same): DeepSeek V3 with half the heads,
+    # 384 experts, routing without groups, one dense block, RoPE base 50000 (its YaRN extension left to the run)
+    "kimi_k2": (7168, 61, 64, 1536, 512, 128, 64, 128, 18432, 2048, 384, 1, 8, "sigmoid", 1, 1, 2.827, 1, 163840, 0),
 }
+_ROPE_THETA = {"kimi_k2": 50000.0}
 FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv_lora_rank=kr, qk_nope_head_dim=nope,
                                 qk_rope_head_dim=rope, v_head_dim=v, ffn_hidden=f, moe_hidden=mh, n_experts=e,
                                 n_shared=s, top_k=k, score_func=sf, n_groups=g, top_groups=tg, route_scale=rs,
-                                first_k_dense=fk, vocab_size=vocab, rope_interleave=name in ("671B", "debugmodel"),
-                                n_mtp=mtp)
+                                first_k_dense=fk, vocab_size=vocab,
+                                rope_interleave=name in ("671B", "kimi_k2", "debugmodel"),
+                                rope_theta=_ROPE_THETA.get(name, 10000.0), n_mtp=mtp)
            for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab, mtp) in _TABLE.items()}
 TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp"}

@@ -1,6 +1,13 @@
 """Hugging Face <-> Tessera for DeepSeek V3 (`DeepseekV3ForCausalLM`): MLA's projections, the hub's per-expert
 tensors stacked here, and the router's selection bias (HF `e_score_correction_bias`). FP8 block-quantized
-checkpoints are dequantized as they are read (tessera.checkpoint.hf)."""
+checkpoints are dequantized as they are read (tessera.checkpoint.hf).
+
+Kimi K2 is DeepSeek V3's architecture: its folders (`kimi_k2`, and the text model of a multimodal Kimi K2.5
+`kimi_k25` folder, `Kimi_K25ForConditionalGeneration`) load here. A K2.5 folder holds the text model under
+`language_model.model.` (transformers' save_pretrained names its blocks `blocks.N`, which transformers reads back as
+`layers.N`) and `language_model.lm_head.`, beside a vision tower and projector that are not ours (left out, one
+line); its config.json keeps the text model's in text_config and ties the head by its own tie_word_embeddings.
+Exports are `DeepseekV3ForCausalLM` folders."""
 
 import dataclasses
 import re
@@ -22,6 +29,34 @@ _OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")
 _BIAS = (re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias"),
          re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
+
+
+ALSO_READS = ("kimi_k2", "kimi_k25")
+_TEXT = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+_VISION = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
+
+
+def stored_names(names) -> dict:
+    """{name in a folder: its to_hf name, or None}: a Kimi K2.5 folder's text model under DeepSeek V3's names, its
+    vision tower and projector None."""
+    out = {}
+    for name in names:
+        prefix = next((p for p in _TEXT if name.startswith(p)), None)
+        if prefix is not None:
+            out[name] = _TEXT[prefix] + re.sub(r"^blocks\.", "layers.", name.removeprefix(prefix))
+        else:
+            out[name] = None if name.startswith(_VISION) else name
+    return out
+
+
+def text_config(config: dict) -> dict:
+    """A Kimi K2.5 config.json's text model (its tie_word_embeddings the top level's, transformers' default True),
+    a Kimi K2 one's, as DeepSeek V3's."""
+    if config.get("model_type") == "kimi_k25":
+        if not isinstance(config.get("text_config"), dict):
+            raise ValueError("text_config is not a table: a Kimi K2.5 config.json holds its text model's there")
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+    return {**config, "model_type": "deepseek_v3"} if config.get("model_type") == "kimi_k2" else config
 
 
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
@@ -93,7 +128,9 @@ def _in_depth(name: str, first_mtp: int | None) -> str:
 def args_from_hf_config(config: dict) -> DeepSeekV3Args:
     """A `DeepseekV3ForCausalLM` config.json; biases, another activation, RoPE other than plain or YaRN, and
     key/value heads apart from the query heads are refused. Its MTP layers (num_nextn_predict_layers, or
-    transformers' num_mtp_layers) are built: their weights are layers L, L + 1... (see fit_to_weights)."""
+    transformers' num_mtp_layers) are built: their weights are layers L, L + 1... (see fit_to_weights). Kimi K2
+    and K2.5 configs: text_config."""
+    config = text_config(config)
     shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
                               ("default", "yarn"))
     heads = shared.positive_int(config, "num_attention_heads")
@@ -131,9 +168,13 @@ def fit_to_weights(args: DeepSeekV3Args, names: set[str], train: bool) -> tuple[
     them: a folder holding no tensor of layers L, L + 1... (every fine-tune or conversion transformers wrote)
     loads without them, or with them freshly initialized for a run that trains them (`train`). A folder holding
     part of them keeps them, so that the load names what it lacks. (args, prefixes left as initialized, note)."""
-    layers = {int(m[1]) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    mapped = stored_names(names)
+    vision = sorted(n for n, ours in mapped.items() if ours is None)
+    note = f"{len(vision)} tensors of the vision tower and projector ({vision[0]}, ...) are not the text model's: " \
+           f"not loaded" if vision else None
+    layers = {int(m[1]) for n in mapped.values() if n and (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if not args.n_mtp or max(layers, default=-1) >= args.n_layers:
-        return args, (), None
+        return args, (), note
     lacks = (f"config.json declares {args.n_mtp} MTP depth(s) (num_nextn_predict_layers) but the folder holds none "
              f"of their weights (model.layers.{args.n_layers}...; transformers saves none)")
     if train:
