@@ -112,6 +112,11 @@ def test_bad_settings_are_refused_before_ranks_start(argv, expect):
       "--checkpoint.enable", "--checkpoint.last_save_in_hf"],
      "lora: layers.0.feed_forward.experts.w2 has adapters, which PEFT cannot hold for this model; export with "
      "lora.merge_on_export = true .the final save"),
+    # Qwen 3.5's DeltaNet q (block 0) is fused with k and v in its Hugging Face layout; full attention's is not
+    (["--model.name", "qwen3_5", "--model.flavor", "tiny", "--lora.target_modules", "wq", "--checkpoint.enable",
+      "--checkpoint.last_save_in_hf"],
+     "lora: layers.0.attention.wq's weight is not stored as it is in the Hugging Face layout, so its adapter has no "
+     "PEFT name; export with lora.merge_on_export"),
 ])
 def test_targets_and_ranks_the_model_cannot_take_are_refused_before_ranks_start(argv, expect):
     """By the launch check (run_train.sh's, before torchrun), on the model built on the meta device; a rank

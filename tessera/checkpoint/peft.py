@@ -3,6 +3,7 @@ transformers model, or merged into the base weights of a Hugging Face export (lo
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -33,13 +34,23 @@ def merged_state(state: dict, cfg: Lora) -> dict:
     return out
 
 
-def _hf_module(hf, linear: str, weight: torch.Tensor) -> str:
+def _hf_module(hf, linear: str, state: dict) -> str:
     """The Hugging Face module of our linear, where the adapter renames it and nothing else (an adapter that splits,
-    fuses or permutes the weight would need the same done to B or A)."""
-    probe = torch.arange(weight.numel(), dtype=torch.float32).reshape(weight.shape)
-    out = hf.to_hf({f"{linear}.weight": probe})
-    (name, value), = out.items() if len(out) == 1 else ((None, None),)
-    if name is None or not name.endswith(".weight") or not torch.equal(value, probe):
+    fuses or permutes the weight would need the same done to B or A). The adapter sees the linear among the other
+    weights of its block, as an adapter may need them to tell what the linear is (Qwen 3.5's DeltaNet q/k/v, fused
+    in its Hugging Face layout, from full attention's): all on the meta device; renamed, the weight is the tensor
+    given."""
+    block = re.match(r".*?\blayers\.\d+\.", linear)
+    prefix = block[0] if block else f"{linear}."
+    context = {k: torch.empty(tuple(v.shape), device="meta") for k, v in state.items()
+               if k.startswith(prefix) and not is_adapter(k) and ".experts." not in k}
+    probe = context[f"{linear}.weight"] = torch.empty(tuple(state[f"{linear}.weight"].shape), device="meta")
+    try:
+        names = [n for n, v in hf.to_hf(context).items() if v is probe]
+    except (RuntimeError, KeyError, ValueError, NotImplementedError):
+        names = []
+    name = names[0] if len(names) == 1 else None
+    if name is None or not name.endswith(".weight"):
         raise ConfigError(f"lora: {linear}'s weight is not stored as it is in the Hugging Face layout, so its "
                           f"adapter has no PEFT name; export with lora.merge_on_export = true")
     return name.removesuffix(".weight")
@@ -49,19 +60,24 @@ def _peft_names(hf, state: dict):
     """(Hugging Face module, our adapter's name, its PEFT name) of each linear's adapter in `state`."""
     for name in sorted(k for k in state if k.endswith(".lora_a")):
         linear = name.removesuffix(".lora_a")
-        module = _hf_module(hf, linear, state[f"{linear}.weight"])
+        module = _hf_module(hf, linear, state)
         for ours, theirs in zip(ADAPTERS, ("lora_A", "lora_B"), strict=True):
             yield module, f"{linear}.{ours}", f"base_model.model.{module}.{theirs}.weight"
 
 
 def check_exportable(model: torch.nn.Module, cfg, family: str) -> None:
     """Before any weight exists: a run whose final export is a PEFT folder (checkpoint.last_save_in_hf without
-    lora.merge_on_export) with adapters on expert stacks that peft cannot hold for this family is refused."""
+    lora.merge_on_export) with adapters that peft cannot hold for this family (on a weight its Hugging Face layout
+    fuses with others, on expert stacks it keeps elsewhere) is refused."""
     if not (cfg.lora.rank and cfg.checkpoint.last_save_in_hf) or cfg.lora.merge_on_export:
         return
-    state = {f"{fqn}_lora_a": None for fqn, _, stack, _ in targets(model, cfg.lora.target_modules) if stack}
+    found = targets(model, cfg.lora.target_modules)
+    hf, weights = models.family(family).hf, model.state_dict()
+    state = {f"{fqn}_lora_a": None for fqn, _, stack, _ in found if stack}
     try:
-        _expert_params(models.family(family).hf, state)
+        for fqn in (fqn for fqn, _, stack, _ in found if not stack):
+            _hf_module(hf, fqn, weights)
+        _expert_params(hf, state)
     except ConfigError as e:
         raise ConfigError(f"{e} (the final save, checkpoint.last_save_in_hf, is a PEFT folder)") from None
 
