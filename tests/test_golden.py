@@ -29,7 +29,7 @@ RUN = ["--training.steps", "20", "--metrics.log_freq", "1", "--training.determin
 SHORTER = ["--training.seq_len", "64"]
 FAMILIES = {"llama3": SHORTER, "qwen3": SHORTER, "qwen3_moe": SHORTER, "deepseek_v3": SHORTER, "gpt_oss": SHORTER,
             "llama4": SHORTER, "flux": ["--flux.sample_freq", "0"], "qwen3_5": SHORTER, "qwen3_5_moe": SHORTER,
-            "qwen3_next": SHORTER}
+            "qwen3_next": SHORTER, "deepseek_v32": [*SHORTER, "--deepseek_v3.dense_warmup_steps", "10"]}
 
 
 def curve(family: str, dump) -> list[float]:

@@ -28,6 +28,7 @@ class SideLoss(nn.Module):
         super().__init__()
         self.metric, self.weight_option = metric, weight_option
         self.weight, self.share = 0.0, 1.0
+        self.steps = 0  # the optimizer steps done before this forward (the trainer sets it each step)
         self.total, self.count = None, 0  # the sum of its unweighted values since the last reset
 
     def attach(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,18 @@ from tessera.models.deepseek.v3.options import DeepSeekV3Options, check
 
 def counts(args, seq_len: int) -> Counts:
     """Training FLOPs per token: 6 per weight a token meets, plus attention scores and values over MLA's
-    head sizes, 6 L H (qk + v) S (causal masking not discounted). MTP depths count as blocks (they train)."""
+    head sizes, 6 L H (qk + v) S (causal masking not discounted). MTP depths count as blocks (they train).
+    DeepSeek V3.2 (index_topk): each query attends min(S, top-k) keys, and its indexer scores all S of them (6 H_i
+    d_i S; its projections are weights)."""
     a, d = args, args.dim
     q = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.n_heads * a.head_dim if a.q_lora_rank \
         else d * a.n_heads * a.head_dim
     kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank \
         + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
     attention = q + kv + a.n_heads * a.v_head_dim * d + 2 * d  # + the block's two norms
+    if a.index_topk:  # the indexer: wq_b, wk, its LayerNorm, weights_proj
+        attention += a.q_lora_rank * a.index_n_heads * a.index_head_dim + d * a.index_head_dim \
+            + 2 * a.index_head_dim + d * a.index_n_heads
     expert, sparse = 3 * d * a.moe_hidden, a.n_layers - a.first_k_dense
     moe = d * a.n_experts + a.n_shared * expert
     table = a.vocab_size * d
@@ -25,7 +30,10 @@ def counts(args, seq_len: int) -> Counts:
     blocks = (a.n_layers + a.n_mtp) * attention + a.n_mtp * (3 * d + 2 * d * d)
     common = table + embedding + d + blocks + a.first_k_dense * 3 * d * a.ffn_hidden + sparse * moe
     params, active = common + sparse * a.n_experts * expert, common + sparse * a.top_k * expert
-    flops = 6 * (active - embedding) + 6 * (a.n_layers + a.n_mtp) * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
+    keys = min(seq_len, a.index_topk) if a.index_topk else seq_len
+    index = a.index_n_heads * a.index_head_dim * seq_len if a.index_topk else 0
+    flops = 6 * (active - embedding) + 6 * (a.n_layers + a.n_mtp) * (a.n_heads * (a.head_dim + a.v_head_dim) * keys
+                                                                     + index)
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops)
 
 
@@ -41,5 +49,6 @@ FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=froze
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.deepseek.v3.spec:SPEC",
                 hf_model_type="deepseek_v3", hf_also_reads=hf.ALSO_READS, options=DeepSeekV3Options, check=check,
-                moved_options={"training.mtp_loss_weight": "mtp_loss_weight"}, metrics={"mtp_loss": "mtp"},
+                moved_options={"training.mtp_loss_weight": "mtp_loss_weight"},
+                metrics={"mtp_loss": "mtp", "indexer_loss": "idx"},
                 trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0, qk_clip=qk_clip)

@@ -36,6 +36,10 @@ class DeepSeekV3Args:
     max_seq_len: int = 4096  # length of the RoPE table; set from training.seq_len
     tie_embeddings: bool = False
     n_mtp: int = 0  # multi-token prediction depths (HF num_nextn_predict_layers): depth k also predicts token i+k+1
+    index_topk: int = 0  # DeepSeek V3.2's sparse attention (tessera/models/deepseek/dsa.py): each query attends the
+    # keys its indexer ranks highest; 0: dense MLA (V3)
+    index_n_heads: int = 64  # the indexer's heads
+    index_head_dim: int = 128  # and their size
 
     qk_norm = False  # not fields: the shared decoder's switches
     attention_bias = False
@@ -76,13 +80,26 @@ _TABLE = {
     # Kimi K2 (moonshotai/Kimi-K2-Base's config.json; K2.5's text model the same): DeepSeek V3 with half the heads,
     # 384 experts, routing without groups, one dense block, RoPE base 50000 (its YaRN extension left to the run)
     "kimi_k2": (7168, 61, 64, 1536, 512, 128, 64, 128, 18432, 2048, 384, 1, 8, "sigmoid", 1, 1, 2.827, 1, 163840, 0),
+    "v32_debugmodel": (64, 3, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0, 0),
+    "v32_671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280, 1),
 }
 _ROPE_THETA = {"kimi_k2": 50000.0}
+# DeepSeek V3.2 (DSA): V3's sizes with the indexer (index_topk, heads, head dim); V3.2-Exp's config.json
+_INDEXER = {"v32_debugmodel": (16, 4, 16), "v32_671B": (2048, 64, 128)}
+
+
+def _indexer(name: str) -> dict:
+    if name not in _INDEXER:
+        return {}
+    return dict(zip(("index_topk", "index_n_heads", "index_head_dim"), _INDEXER[name], strict=True))
+
+
 FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv_lora_rank=kr, qk_nope_head_dim=nope,
                                 qk_rope_head_dim=rope, v_head_dim=v, ffn_hidden=f, moe_hidden=mh, n_experts=e,
                                 n_shared=s, top_k=k, score_func=sf, n_groups=g, top_groups=tg, route_scale=rs,
                                 first_k_dense=fk, vocab_size=vocab,
-                                rope_interleave=name in ("671B", "kimi_k2", "debugmodel"),
-                                rope_theta=_ROPE_THETA.get(name, 10000.0), n_mtp=mtp)
+                                rope_interleave=name in ("671B", "kimi_k2", "debugmodel", *_INDEXER),
+                                rope_theta=_ROPE_THETA.get(name, 10000.0), n_mtp=mtp,
+                                **_indexer(name))
            for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab, mtp) in _TABLE.items()}
-TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp"}
+TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp", "v32_debugmodel"}

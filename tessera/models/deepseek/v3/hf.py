@@ -22,7 +22,8 @@ _LAYER = {**{k: v for k, v in shared.DECODER_LAYER.items() if not k.startswith("
           "attention.wkv_b": "self_attn.kv_b_proj", "attention.wo": "self_attn.o_proj",
           "feed_forward.router.gate": "mlp.gate", "feed_forward.shared.w1": "mlp.shared_experts.gate_proj",
           "feed_forward.shared.w2": "mlp.shared_experts.down_proj",
-          "feed_forward.shared.w3": "mlp.shared_experts.up_proj"}
+          "feed_forward.shared.w3": "mlp.shared_experts.up_proj",
+          **{f"attention.indexer.{n}": f"self_attn.indexer.{n}" for n in ("wq_b", "wk", "k_norm", "weights_proj")}}
 _NAMES = shared.Renamer("DeepSeek V3", _LAYER, shared.DECODER_TOP)
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
@@ -31,7 +32,7 @@ _BIAS = (re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias"),
          re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
 
 
-ALSO_READS = ("kimi_k2", "kimi_k25")
+ALSO_READS = ("kimi_k2", "kimi_k25", "deepseek_v32")
 _TEXT = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 _VISION = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
@@ -56,7 +57,8 @@ def text_config(config: dict) -> dict:
         if not isinstance(config.get("text_config"), dict):
             raise ValueError("text_config is not a table: a Kimi K2.5 config.json holds its text model's there")
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-    return {**config, "model_type": "deepseek_v3"} if config.get("model_type") == "kimi_k2" else config
+    return {**config, "model_type": "deepseek_v3"} if config.get("model_type") in ("kimi_k2", "deepseek_v32") \
+        else config
 
 
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
@@ -130,7 +132,8 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
     key/value heads apart from the query heads are refused. Its MTP layers (num_nextn_predict_layers, or
     transformers' num_mtp_layers) are built: their weights are layers L, L + 1... (see fit_to_weights). Kimi K2
     and K2.5 configs: text_config."""
-    config = text_config(config)
+    sparse = config.get("model_type") == "deepseek_v32"
+    config = text_config(_v32(config) if sparse else config)
     shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
                               ("default", "yarn"))
     heads = shared.positive_int(config, "num_attention_heads")
@@ -160,7 +163,26 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
         rope_interleave=bool(config.get("rope_interleave", True)),
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        n_mtp=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0))
+        n_mtp=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0),
+        **({"index_topk": shared.positive_int({"index_topk": 2048, **config}, "index_topk"),
+            "index_n_heads": shared.positive_int({"index_n_heads": 64, **config}, "index_n_heads"),
+            "index_head_dim": shared.positive_int({"index_head_dim": 128, **config}, "index_head_dim")}
+           if sparse else {}))
+
+
+def _v32(config: dict) -> dict:
+    """DeepSeek V3.2's config: a query bottleneck (its indexer reads it), and dense blocks first (mlp_layer_types:
+    its first_k_dense_replace)."""
+    if not config.get("q_lora_rank"):
+        raise ValueError("q_lora_rank: DeepSeek V3.2's indexer reads the query's bottleneck; a config without one "
+                         "is no V3.2 model")
+    kinds = config.get("mlp_layer_types")
+    if kinds is not None:
+        dense = kinds.count("dense")
+        if kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense):
+            raise ValueError(f"mlp_layer_types = {kinds}: Tessera builds the dense blocks first, then the MoE ones")
+        return {**config, "first_k_dense_replace": dense}
+    return config
 
 
 def fit_to_weights(args: DeepSeekV3Args, names: set[str], train: bool) -> tuple[DeepSeekV3Args, tuple, str | None]:
@@ -191,7 +213,10 @@ def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | Non
     max_pos = args.max_seq_len
     if args.rope_scaling:
         max_pos = int(args.rope_scaling["original_max_position_embeddings"] * args.rope_scaling["factor"])
-    return {**shared.decoder_config(args, "DeepseekV3ForCausalLM", "deepseek_v3", rope, max_pos, bos_id, eos_id),
+    sparse = {"index_topk": args.index_topk, "index_n_heads": args.index_n_heads,
+              "index_head_dim": args.index_head_dim} if args.index_topk else {}
+    kind = ("DeepseekV32ForCausalLM", "deepseek_v32") if args.index_topk else ("DeepseekV3ForCausalLM", "deepseek_v3")
+    return {**shared.decoder_config(args, *kind, rope, max_pos, bos_id, eos_id), **sparse,
             "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
             "v_head_dim": args.v_head_dim, "head_dim": args.qk_rope_head_dim, "moe_intermediate_size": args.moe_hidden,

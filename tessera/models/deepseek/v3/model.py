@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.common.attention import CausalSDPA, KVCache
+from tessera.models.common.attention import CausalSDPA, KVCache, allowed
 from tessera.models.common.decoder import Decoder, TransformerBlock
 from tessera.models.common.rope import apply_rope, rope_rows
 from tessera.models.common.side_loss import Lookahead, SideLoss
+from tessera.models.deepseek import dsa
 
 IGNORE = -100  # the label of a position that is not trained (tessera.data.masks's)
 
@@ -40,6 +41,12 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
         self.sdpa = CausalSDPA(scale=_softmax_scale(a))
+        if a.index_topk:  # V3.2: sparse attention over the keys its indexer picks, the indexer's loss beside it
+            self.indexer = dsa.Indexer(a)
+            self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
+            self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
+        else:
+            self.indexer = None
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
@@ -50,7 +57,8 @@ class MLA(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         a = self.args
         bsz, seq, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q_latent = self.q_norm(self.wq_a(x)) if a.q_lora_rank else None
+        q = self.wq_b(q_latent) if a.q_lora_rank else self.wq(x)
         q = q.view(bsz, seq, -1, a.head_dim)  # -1 heads: under tensor parallelism a rank's share
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
@@ -62,10 +70,34 @@ class MLA(nn.Module):
         k_rot = self._rope(k_rot.unsqueeze(2), positions).expand(-1, -1, k_nope.shape[2], -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
+        if self.indexer is not None:
+            out = self._sparse(x, q_latent, positions, q, k, v, cache, documents)
+        else:
+            if cache is not None:
+                k, v = cache.update(k, v)
+            out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, cache: "dsa.IndexedCache | None", documents: torch.Tensor | None) -> torch.Tensor:
+        """DSA: the queries attend the indexer's top-k keys (every key during the dense warm-up); while training, the
+        indexer's KL loss to the attention's distribution is attached (its inputs detached: see dsa.py)."""
+        if self.training:
+            x, q_latent = x.detach(), q_latent.detach()
+        keys = self.indexer.keys(x, rope)
+        if cache is not None:
+            keys = cache.update_index(keys)
+            k, v = cache.update(k, v)
+        logits = self.indexer(x, q_latent, rope, keys)
+        mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(logits.shape)
+        if documents is not None:
+            mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
+        if not (self.training and self.indexer_loss.steps < self.dense_warmup_steps):
+            mask = dsa.selected(logits, mask, self.args.index_topk)
+        out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
+        if self.training and self.indexer_loss.weight:
+            out = self.indexer_loss.attach(out, dsa.indexer_kl(probs, logits, mask))
+        return out
 
 
 class MLABlock(TransformerBlock):
@@ -194,5 +226,8 @@ class DeepSeekV3(Decoder):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[KVCache]:
         a = self.args  # keys and values expanded per head (the latent itself is not what is cached)
+        if a.index_topk:
+            return [dsa.IndexedCache(batch, max_len, a.n_heads, a.head_dim, dtype, device, v_dim=a.v_head_dim,
+                                     index_dim=a.index_head_dim) for _ in range(a.n_layers)]
         return [KVCache(batch, max_len, a.n_heads, a.head_dim, dtype, device, v_dim=a.v_head_dim)
                 for _ in range(a.n_layers)]

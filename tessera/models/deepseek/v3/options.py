@@ -10,6 +10,11 @@ class DeepSeekV3Options:
     mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over depths), for flavors "
                                  "with MTP depths (DeepSeek V3: 0.3, later 0.1); 0 = the depths are kept but not run",
                                  min=0.0)
+    indexer_loss_weight: float = opt(1.0, "DeepSeek V3.2 (flavors with index_topk): weight of the indexer's KL loss "
+                                     "to the main attention's distribution (each layer's mean over its queries)",
+                                     min=0.0)
+    dense_warmup_steps: int = opt(0, "DeepSeek V3.2: the first steps attend every key (dense) while the indexer is "
+                                  "fitted to them; sparse after (V3.2: 1000, from a V3.1 checkpoint)", min=0)
 
 
 class DeepSeekV3Config(JobConfig):
@@ -19,7 +24,24 @@ class DeepSeekV3Config(JobConfig):
 
 
 def check(cfg: DeepSeekV3Config, args, dims) -> None:
+    if getattr(args, "index_topk", 0):
+        check_sparse(cfg, args, dims)
     if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and dims.pp > 1 and (dims.tp > 1 or dims.cp > 1):
         raise ValueError("deepseek_v3.mtp_loss_weight: under pipelining the MTP depths take the first stage's "
                          "embeddings of whole sequences, which TP and CP ranks do not hold; with PP, use FSDP/EP "
                          "only, or set it to 0 (the depths stay in the model and its checkpoints, untrained)")
+
+
+def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
+    """DeepSeek V3.2's sparse attention: top-k of a sequence, and layouts that hold each query's every key and all
+    heads (the indexer's loss is fitted to the heads' summed attention)."""
+    label = f"{cfg.model.name} {cfg.model.flavor or 'model'}"
+    if args.index_topk >= cfg.training.seq_len:
+        raise ValueError(f"training.seq_len: {cfg.training.seq_len} tokens, and {label} attends the top "
+                         f"{args.index_topk} keys (index_topk): every key, its sparse attention dense; train on "
+                         f"sequences longer than index_topk")
+    for degree, what in ((dims.tp, "tensor"), (dims.cp, "context")):
+        if degree > 1:
+            raise ValueError(f"parallelism.{what}_parallel_degree: {label}'s sparse attention (DSA) fits its indexer "
+                             f"to the attention of all heads over every key, which {what} parallelism splits over "
+                             f"ranks; not yet under TP or CP (use FSDP, EP and PP)")

@@ -1,0 +1,93 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek V3.2): a lightning indexer scores every earlier key for each query
+cheaply, and the main attention attends only the `index_topk` keys it ranks highest.
+
+The indexer (`Indexer`): queries from the main query's bottleneck (`wq_b` of the normed latent, `index_n_heads`
+heads of `index_head_dim`), one key per token (`wk` of the hidden state, LayerNorm'd), RoPE (halves, not
+interleaved) on the first `qk_rope_head_dim` dims of each, and a weight per head and token (`weights_proj`):
+I[t, s] = sum_h w[t, h] / sqrt(H) * relu(q[t, h] . k[s] / sqrt(d)). The top-k of each causal row pick the keys.
+
+Training it (the V3.2 report): its logits I are fitted to the main attention's distribution p (the heads' probabilities
+summed, L1-normalized; no gradient into p) by KL(p || softmax(I)), over all causal keys during a dense warm-up (the
+main attention dense), over the selected keys after (the main attention sparse). The indexer's inputs are detached:
+its only signal is that loss, and the language-model loss reaches the main model only. The loss is a side loss
+(`indexer_loss`, each layer's mean over its queries, weighted by `deepseek_v3.indexer_loss_weight`).
+
+Computed with materialized scores and masks (any device): a reference path, not a sparse kernel."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.common.attention import KVCache
+from tessera.models.common.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        a, self.args = args, args
+        self.wq_b = nn.Linear(a.q_lora_rank, a.index_n_heads * a.index_head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(a.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(a.dim, a.index_n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        turned, kept = x.split([self.args.qk_rope_head_dim, x.shape[-1] - self.args.qk_rope_head_dim], dim=-1)
+        return torch.cat([apply_rope(turned, rope), kept], dim=-1)
+
+    def keys(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, index_head_dim]: one key per token."""
+        return self._rope(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, n_q, n_k] of the queries of `x` / `q_latent` (the main query's normed bottleneck) over
+        `keys` (keys() of every position so far), in fp32 (no mask applied)."""
+        a = self.args
+        bsz, seq, _ = x.shape
+        q = self._rope(self.wq_b(q_latent).view(bsz, seq, a.index_n_heads, a.index_head_dim), rope)
+        scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+                        * a.index_head_dim ** -0.5)  # [batch, n_q, heads, n_k]
+        weights = self.weights_proj(x).float() * a.index_n_heads ** -0.5
+        return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def selected(logits: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+    """[batch, n_q, n_k] bool: the `topk` keys of each query's allowed ones that the indexer ranks highest (all of
+    them where fewer are allowed)."""
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    picks = masked.topk(min(topk, masked.shape[-1]), dim=-1).indices
+    return torch.zeros_like(allowed).scatter(-1, picks, True) & allowed
+
+
+def attention_with_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention where `mask` [batch, n_q, n_k] allows (every query allows its own key), and its probabilities
+    [batch, heads, n_q, n_k]."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    return probs.to(v.dtype) @ v, probs
+
+
+def indexer_kl(probs: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over queries of KL(p || softmax(logits)) over the keys `mask` allows, p the heads' attention
+    probabilities summed and L1-normalized there (no gradient)."""
+    p = probs.detach().sum(1).masked_fill(~mask, 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-20)
+    log_q = logits.masked_fill(~mask, float("-inf")).log_softmax(dim=-1).masked_fill(~mask, 0.0)
+    return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
+
+
+class IndexedCache(KVCache):
+    """A DSA layer's decoding cache: the main attention's keys and values and the indexer's keys."""
+
+    def __init__(self, batch: int, max_len: int, n_heads: int, head_dim: int, dtype: torch.dtype, device=None,
+                 v_dim: int = 0, index_dim: int = 0):
+        super().__init__(batch, max_len, n_heads, head_dim, dtype, device, v_dim)
+        self.register_buffer("index_k", torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device))
+
+    def update_index(self, k: torch.Tensor) -> torch.Tensor:
+        """Append the indexer's keys [batch, new, dim] at the positions update() will fill next; all so far."""
+        end = self.length + k.shape[1]
+        self.index_k[:, self.length:end] = k
+        return self.index_k[:, :end]

@@ -1,0 +1,136 @@
+"""DeepSeek V3.2's sparse attention (DSA) in the DeepSeek V3 family: logits, both HF directions and greedy
+generation (the indexer's keys cached) against transformers' DeepseekV32ForCausalLM on configs that are no preset,
+with the top-k below the sequence so that attention is sparse; the indexer's training (its KL loss reaches the
+indexer alone, the main model only the language-model loss; the dense warm-up attends every key); counts; bad
+settings refused in one line. Its layouts are in tests/test_deepseek_v3.py's 4-rank launch."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tessera.models import family, num_params
+from tessera.models.deepseek import dsa
+from tests.hf_parity import assert_round_trip, import_hf, initialized
+
+DSV3 = family("deepseek_v3")
+V32 = {  # transformers' DeepseekV32Config fields; none is a preset
+    "yarn_topk5": dict(index_topk=5, index_n_heads=3, index_head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "mlp_layer_types_topk9": dict(index_topk=9, index_n_heads=2, index_head_dim=12, n_group=1, topk_group=1,
+                                  mlp_layer_types=["dense", "dense", "sparse"]),
+}
+
+
+def _theirs(path, **overrides):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV32Config(**{
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1, "vocab_size": 97, "max_position_embeddings": 64, "bos_token_id": None,
+        "eos_token_id": None, "attn_implementation": "eager", **overrides})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV32ForCausalLM(config).eval()
+    with torch.no_grad():  # the router, its bias and the norms made to count
+        for name, p in model.named_parameters():
+            if "mlp.gate" in name or "experts" in name:
+                p.normal_(0, 0.3)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(V32))
+def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, case):
+    transformers = pytest.importorskip("transformers")
+    theirs = _theirs(tmp_path / "in", **V32[case])
+    ours, args = import_hf("deepseek_v3", tmp_path / "in")
+    assert args.index_topk == V32[case]["index_topk"] and DSV3.counts(args, 32).params == num_params(ours)
+    assert all(args.arch() != f.arch() for f in DSV3.flavors.values())
+    assert_round_trip(theirs, ours, args, transformers.DeepseekV32ForCausalLM, tmp_path / "in", tmp_path)
+
+
+def _model(topk: int = 6):
+    args = dataclasses.replace(DSV3.flavors["v32_debugmodel"], vocab_size=64, max_seq_len=32, index_topk=topk)
+    return initialized(DSV3, args).train()
+
+
+def _indexer(name: str) -> bool:
+    return ".indexer." in name
+
+
+@pytest.mark.fast
+def test_the_indexer_loss_trains_the_indexer_alone_and_the_warmup_attends_every_key():
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for weight in (0.0, 1.0):
+        model = _model()
+        for side in (m for m in model.modules() if m.__class__.__name__ == "SideLoss" and m.metric == "indexer_loss"):
+            side.weight = weight
+        model(tokens).float().logsumexp(-1).mean().backward()
+        grads[weight] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads[1.0].items():
+        if _indexer(name):
+            assert grads[0.0][name] is None and grad is not None and grad.abs().sum() > 0, name
+        elif grad is not None:
+            torch.testing.assert_close(grad, grads[0.0][name], rtol=0, atol=0, msg=name)
+    warm, dense = _model(), _model(topk=32)  # during the warm-up every key, as a top-k of all of them
+    for attention in (m for m in warm.modules() if getattr(m, "indexer", None) is not None):
+        attention.dense_warmup_steps = 1
+    with torch.no_grad():
+        torch.testing.assert_close(warm(tokens), dense(tokens))
+        assert not torch.allclose(_model()(tokens), dense(tokens))  # after it, sparse
+
+
+@pytest.mark.fast
+def test_the_kl_is_zero_where_the_indexer_matches_the_attention_and_positive_elsewhere():
+    probs = torch.softmax(torch.randn(2, 3, 5, 7), dim=-1)  # [batch, heads, queries, keys]
+    mask = torch.ones(2, 5, 7, dtype=torch.bool)
+    target = probs.sum(1) / 3
+    assert float(dsa.indexer_kl(probs, target.log(), mask)) == pytest.approx(0.0, abs=1e-6)
+    assert float(dsa.indexer_kl(probs, torch.zeros(2, 5, 7), mask)) > 0.01
+
+
+@pytest.mark.fast
+def test_counts_have_the_indexer_and_top_k_attention():
+    sparse, dense = DSV3.flavors["v32_671B"], DSV3.flavors["671B"]
+    stored = DSV3.counts(sparse, 4096).params + 2 * sparse.vocab_size * sparse.dim  # the MTP layer's copies too
+    assert 684e9 < stored < 686e9  # V3.2-Exp's 685B
+    long = [DSV3.counts(a, 131072).flops_per_token for a in (sparse, dense)]
+    assert long[0] < 0.3 * long[1]  # attention over 2048 keys, not 131072
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, line", [
+    (["--training.seq_len", "6"], "training.seq_len: 6 tokens, and deepseek_v3 v32_debugmodel attends the top 16 keys "
+                                  "\\(index_topk\\): every key"),
+    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree: deepseek_v3 v32_debugmodel's "
+                                                    "sparse attention \\(DSA\\) fits its indexer"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree: deepseek_v3 "
+                                                     "v32_debugmodel's sparse attention"),
+])
+def test_settings_dsa_cannot_take_are_refused_in_one_line(argv, line):
+    from tessera.config import ConfigError
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+
+    with pytest.raises(ConfigError, match="^" + line):
+        validate(parse_args(["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel", *argv]), 2)
+
+
+def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains():
+    """One process, 4 steps: the indexer's KL loss in every logged step; 2 dense warm-up steps train another model
+    than none (the attention differs from step 1)."""
+    from tests.dist_worker import run_train
+
+    v32 = ["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel", "--training.local_batch_size", "2"]
+    runs = [run_train([*v32, "--deepseek_v3.dense_warmup_steps", steps], 4) for steps in ("2", "0")]
+    assert all(h["indexer_loss"] > 0 for h in runs[0]["history"]) and len(runs[0]["history"]) == 4
+    assert runs[0]["losses"][1] != runs[1]["losses"][1]
