@@ -1,5 +1,6 @@
-"""DeepSeek V3.2's sparse attention (DSA) in the DeepSeek V3 family: logits, both HF directions and greedy
-generation (the indexer's keys cached) against transformers' DeepseekV32ForCausalLM on configs that are no preset,
+"""DeepSeek V3.2's and GLM-5's sparse attention (DSA) in the DeepSeek V3 family: logits, both HF directions and greedy
+generation (the indexer's keys cached) against transformers' DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM (its
+indexer's RoPE in pairs, blocks sharing an earlier block's selection) on configs that are no preset,
 with the top-k below the sequence so that attention is sparse; the indexer's training (its KL loss reaches the
 indexer alone, the main model only the language-model loss; the dense warm-up attends every key); counts; bad
 settings refused in one line. Its layouts are in tests/test_deepseek_v3.py's 4-rank launch."""
@@ -23,9 +24,15 @@ V32 = {  # transformers' DeepseekV32Config fields; none is a preset
 }
 
 
-def _theirs(path, **overrides):
+GLM5 = {  # transformers' GlmMoeDsaConfig fields; none is a preset
+    "shared_blocks": dict(num_hidden_layers=4, rms_norm_eps=1e-5, n_group=1, topk_group=1, index_topk=5,
+                          index_n_heads=3, index_head_dim=16, indexer_types=["full", "shared", "full", "shared"]),
+}
+
+
+def _theirs(path, glm: bool = False, **overrides):
     transformers = pytest.importorskip("transformers")
-    config = transformers.DeepseekV32Config(**{
+    config = (transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config)(**{
         "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
         "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
         "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
@@ -33,7 +40,7 @@ def _theirs(path, **overrides):
         "first_k_dense_replace": 1, "vocab_size": 97, "max_position_embeddings": 64, "bos_token_id": None,
         "eos_token_id": None, "attn_implementation": "eager", **overrides})
     torch.manual_seed(0)
-    model = transformers.DeepseekV32ForCausalLM(config).eval()
+    model = (transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM)(config).eval()
     with torch.no_grad():  # the router, its bias and the norms made to count
         for name, p in model.named_parameters():
             if "mlp.gate" in name or "experts" in name:
@@ -47,14 +54,18 @@ def _theirs(path, **overrides):
     return model
 
 
-@pytest.mark.parametrize("case", sorted(V32))
+@pytest.mark.parametrize("case", [*sorted(V32), *sorted(GLM5)])
 def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, case):
     transformers = pytest.importorskip("transformers")
-    theirs = _theirs(tmp_path / "in", **V32[case])
+    glm = case in GLM5
+    theirs = _theirs(tmp_path / "in", glm, **(GLM5 if glm else V32)[case])
     ours, args = import_hf("deepseek_v3", tmp_path / "in")
-    assert args.index_topk == V32[case]["index_topk"] and DSV3.counts(args, 32).params == num_params(ours)
+    assert args.index_topk == 5 if glm else V32[case]["index_topk"]
+    assert (args.index_rope_interleave, args.index_shared) == ((True, [1, 3]) if glm else (False, []))
+    assert DSV3.counts(args, 32).params == num_params(ours)
     assert all(args.arch() != f.arch() for f in DSV3.flavors.values())
-    assert_round_trip(theirs, ours, args, transformers.DeepseekV32ForCausalLM, tmp_path / "in", tmp_path)
+    cls = transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    assert_round_trip(theirs, ours, args, cls, tmp_path / "in", tmp_path)
 
 
 def _model(topk: int = 6):
@@ -103,6 +114,8 @@ def test_counts_have_the_indexer_and_top_k_attention():
     sparse, dense = DSV3.flavors["v32_671B"], DSV3.flavors["671B"]
     stored = DSV3.counts(sparse, 4096).params + 2 * sparse.vocab_size * sparse.dim  # the MTP layer's copies too
     assert 684e9 < stored < 686e9  # V3.2-Exp's 685B
+    glm = DSV3.counts(DSV3.flavors["glm5"], 4096)
+    assert 743e9 < glm.params < 745e9 and 40e9 < glm.active - glm.embedding < 41e9  # GLM-5: 744B, 40B active
     long = [DSV3.counts(a, 131072).flops_per_token for a in (sparse, dense)]
     assert long[0] < 0.3 * long[1]  # attention over 2048 keys, not 131072
 
@@ -115,6 +128,9 @@ def test_counts_have_the_indexer_and_top_k_attention():
                                                     "sparse attention \\(DSA\\) fits its indexer"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree: deepseek_v3 "
                                                      "v32_debugmodel's sparse attention"),
+    (["--model.flavor", "glm5_debugmodel", "--parallelism.pipeline_parallel_degree", "2"],
+     "parallelism.pipeline_parallel_degree: deepseek_v3 glm5_debugmodel's blocks \\[2\\] attend the keys an earlier "
+     "block picked, which may sit on another stage"),
 ])
 def test_settings_dsa_cannot_take_are_refused_in_one_line(argv, line):
     from tessera.config import ConfigError
@@ -122,7 +138,8 @@ def test_settings_dsa_cannot_take_are_refused_in_one_line(argv, line):
     from tessera.schema import parse_args
 
     with pytest.raises(ConfigError, match="^" + line):
-        validate(parse_args(["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel", *argv]), 2)
+        flavor = [] if "--model.flavor" in argv else ["--model.flavor", "v32_debugmodel"]
+        validate(parse_args(["--model.name", "deepseek_v3", *flavor, *argv]), 2)
 
 
 def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains():

@@ -12,6 +12,9 @@ main attention dense), over the selected keys after (the main attention sparse).
 its only signal is that loss, and the language-model loss reaches the main model only. The loss is a side loss
 (`indexer_loss`, each layer's mean over its queries, weighted by `deepseek_v3.indexer_loss_weight`).
 
+GLM-5 (glm_moe_dsa) is the same mechanism, its indexer's RoPE dims in pairs, and some blocks without an indexer:
+they attend the keys the previous indexed block picked (`Selections`).
+
 Computed with materialized scores and masks (any device): a reference path, not a sparse kernel."""
 
 import torch
@@ -33,6 +36,8 @@ class Indexer(nn.Module):
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         turned, kept = x.split([self.args.qk_rope_head_dim, x.shape[-1] - self.args.qk_rope_head_dim], dim=-1)
+        if self.args.index_rope_interleave:  # pairs -> halves (GLM-5): the dot products are the same
+            turned = torch.cat([turned[..., 0::2], turned[..., 1::2]], dim=-1)
         return torch.cat([apply_rope(turned, rope), kept], dim=-1)
 
     def keys(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,23 @@ class Indexer(nn.Module):
                         * a.index_head_dim ** -0.5)  # [batch, n_q, heads, n_k]
         weights = self.weights_proj(x).float() * a.index_n_heads ** -0.5
         return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+class Selections:
+    """The keys each indexed block picked in the current forward, by block, for the blocks after it that share them
+    (GLM-5's "shared" blocks); one per model, its blocks' attention all holding it. Kept until the next forward
+    replaces them, so a block recomputed in backward (activation checkpointing) reads what its forward read."""
+
+    def __init__(self):
+        self.masks: dict[int, torch.Tensor] = {}
+        self.steps = 0  # the optimizer steps done (the indexed blocks' side losses know it; the others read it here)
+
+    def before(self, layer_id: int) -> torch.Tensor:
+        earlier = [i for i in self.masks if i < layer_id]
+        if not earlier:
+            raise RuntimeError(f"block {layer_id} shares the keys of an earlier indexed block, and none ran before it "
+                               f"in this forward")
+        return self.masks[max(earlier)]
 
 
 def selected(logits: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 so configs are checked before launch."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.models.common.moe_args import MoEArgs, sparse_layers
 
@@ -40,6 +40,9 @@ class DeepSeekV3Args:
     # keys its indexer ranks highest; 0: dense MLA (V3)
     index_n_heads: int = 64  # the indexer's heads
     index_head_dim: int = 128  # and their size
+    index_rope_interleave: bool = False  # GLM-5: the indexer's RoPE dims come in pairs (V3.2's: halves)
+    index_shared: list[int] = field(default_factory=list)  # GLM-5: blocks without an indexer, which attend the
+    # keys the previous block with one picked (HF indexer_types "shared")
 
     qk_norm = False  # not fields: the shared decoder's switches
     attention_bias = False
@@ -82,16 +85,23 @@ _TABLE = {
     "kimi_k2": (7168, 61, 64, 1536, 512, 128, 64, 128, 18432, 2048, 384, 1, 8, "sigmoid", 1, 1, 2.827, 1, 163840, 0),
     "v32_debugmodel": (64, 3, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 2, 1, 1.0, 1, 0, 0),
     "v32_671B": (7168, 61, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 1, 8, "sigmoid", 8, 4, 2.5, 3, 129280, 1),
+    # GLM-5 (transformers' GlmMoeDsaConfig defaults, its checkpoint zai-org/GLM-5: 744B, 40B active): DSA with the
+    # indexer's RoPE in pairs; its debug model shares one block's selection with the next
+    "glm5_debugmodel": (64, 4, 4, 32, 32, 16, 8, 16, 192, 32, 8, 1, 2, "sigmoid", 1, 1, 2.5, 1, 0, 0),
+    "glm5": (6144, 78, 64, 2048, 512, 192, 64, 256, 12288, 2048, 256, 1, 8, "sigmoid", 1, 1, 2.5, 3, 154880, 0),
 }
 _ROPE_THETA = {"kimi_k2": 50000.0}
 # DeepSeek V3.2 (DSA): V3's sizes with the indexer (index_topk, heads, head dim); V3.2-Exp's config.json
-_INDEXER = {"v32_debugmodel": (16, 4, 16), "v32_671B": (2048, 64, 128)}
+_INDEXER = {"v32_debugmodel": (16, 4, 16), "v32_671B": (2048, 64, 128), "glm5_debugmodel": (16, 4, 16),
+            "glm5": (2048, 32, 128)}
+_GLM = {"glm5_debugmodel": [2], "glm5": []}  # GLM-5 flavors: their blocks sharing an earlier block's selection
 
 
 def _indexer(name: str) -> dict:
     if name not in _INDEXER:
         return {}
-    return dict(zip(("index_topk", "index_n_heads", "index_head_dim"), _INDEXER[name], strict=True))
+    glm = {"index_rope_interleave": True, "index_shared": _GLM[name], "norm_eps": 1e-5} if name in _GLM else {}
+    return {**dict(zip(("index_topk", "index_n_heads", "index_head_dim"), _INDEXER[name], strict=True)), **glm}
 
 
 FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv_lora_rank=kr, qk_nope_head_dim=nope,
@@ -102,4 +112,4 @@ FLAVORS = {name: DeepSeekV3Args(dim=d, n_layers=n, n_heads=h, q_lora_rank=qr, kv
                                 rope_theta=_ROPE_THETA.get(name, 10000.0), n_mtp=mtp,
                                 **_indexer(name))
            for name, (d, n, h, qr, kr, nope, rope, v, f, mh, e, s, k, sf, g, tg, rs, fk, vocab, mtp) in _TABLE.items()}
-TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp", "v32_debugmodel"}
+TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_v2", "debugmodel_mtp", "v32_debugmodel", "glm5_debugmodel"}

@@ -32,7 +32,8 @@ _BIAS = (re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias"),
          re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias"))
 
 
-ALSO_READS = ("kimi_k2", "kimi_k25", "deepseek_v32")
+ALSO_READS = ("kimi_k2", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
+_SPARSE = ("deepseek_v32", "glm_moe_dsa")  # DSA's model types: V3.2's, GLM-5's
 _TEXT = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 _VISION = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
@@ -57,8 +58,7 @@ def text_config(config: dict) -> dict:
         if not isinstance(config.get("text_config"), dict):
             raise ValueError("text_config is not a table: a Kimi K2.5 config.json holds its text model's there")
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-    return {**config, "model_type": "deepseek_v3"} if config.get("model_type") in ("kimi_k2", "deepseek_v32") \
-        else config
+    return {**config, "model_type": "deepseek_v3"} if config.get("model_type") in ("kimi_k2", *_SPARSE) else config
 
 
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
@@ -132,7 +132,8 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
     key/value heads apart from the query heads are refused. Its MTP layers (num_nextn_predict_layers, or
     transformers' num_mtp_layers) are built: their weights are layers L, L + 1... (see fit_to_weights). Kimi K2
     and K2.5 configs: text_config."""
-    sparse = config.get("model_type") == "deepseek_v32"
+    kind = config.get("model_type")
+    sparse = kind in _SPARSE
     config = text_config(_v32(config) if sparse else config)
     shared.refuse_unsupported(config, "deepseek_v3", "deepseek_v3", {"hidden_act": "silu", "attention_bias": False},
                               ("default", "yarn"))
@@ -167,7 +168,23 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
         **({"index_topk": shared.positive_int({"index_topk": 2048, **config}, "index_topk"),
             "index_n_heads": shared.positive_int({"index_n_heads": 64, **config}, "index_n_heads"),
             "index_head_dim": shared.positive_int({"index_head_dim": 128, **config}, "index_head_dim")}
-           if sparse else {}))
+           if sparse else {}),
+        **({"index_rope_interleave": True, "index_shared": _shared_blocks(config)} if kind == "glm_moe_dsa" else {}))
+
+
+def _shared_blocks(config: dict) -> list[int]:
+    """GLM-5's blocks without an indexer: indexer_types "shared", or as transformers derives them (a pattern of F
+    and S, or a full block every index_topk_freq from index_skip_topk_offset)."""
+    n = shared.positive_int(config, "num_hidden_layers")
+    kinds = config.get("indexer_types")
+    if kinds is None and (pattern := config.get("index_topk_pattern")) is not None:
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if kinds is None:
+        freq, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full", "shared"} or kinds[:1] != ["full"]:
+        raise ValueError(f"indexer_types = {kinds}: one of 'full' or 'shared' per layer ({n}), the first full")
+    return [i for i, k in enumerate(kinds) if k == "shared"]
 
 
 def _v32(config: dict) -> dict:
@@ -215,7 +232,12 @@ def hf_config(args: DeepSeekV3Args, bos_id: int | None = None, eos_id: int | Non
         max_pos = int(args.rope_scaling["original_max_position_embeddings"] * args.rope_scaling["factor"])
     sparse = {"index_topk": args.index_topk, "index_n_heads": args.index_n_heads,
               "index_head_dim": args.index_head_dim} if args.index_topk else {}
-    kind = ("DeepseekV32ForCausalLM", "deepseek_v32") if args.index_topk else ("DeepseekV3ForCausalLM", "deepseek_v3")
+    kind = ("DeepseekV3ForCausalLM", "deepseek_v3")
+    if args.index_topk:
+        kind = ("GlmMoeDsaForCausalLM", "glm_moe_dsa") if args.index_rope_interleave else \
+            ("DeepseekV32ForCausalLM", "deepseek_v32")
+        if args.index_rope_interleave:
+            sparse["indexer_types"] = ["shared" if i in args.index_shared else "full" for i in range(args.n_layers)]
     return {**shared.decoder_config(args, *kind, rope, max_pos, bos_id, eos_id), **sparse,
             "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,

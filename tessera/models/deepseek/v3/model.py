@@ -26,9 +26,9 @@ def _softmax_scale(args) -> float:
 
 
 class MLA(nn.Module):
-    def __init__(self, args):
+    def __init__(self, args, layer_id: int = 0):
         super().__init__()
-        a, self.args = args, args
+        a, self.args, self.layer_id = args, args, layer_id
         q_out = a.n_heads * a.head_dim
         if a.q_lora_rank:
             self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
@@ -41,12 +41,13 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
         self.sdpa = CausalSDPA(scale=_softmax_scale(a))
-        if a.index_topk:  # V3.2: sparse attention over the keys its indexer picks, the indexer's loss beside it
-            self.indexer = dsa.Indexer(a)
-            self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
+        self.sparse, self.indexer = bool(a.index_topk), None
+        if self.sparse:  # V3.2: sparse attention over the keys its indexer picks, the indexer's loss beside it
+            if layer_id not in a.index_shared:  # else (GLM-5) those of the indexed block before it
+                self.indexer = dsa.Indexer(a)
+                self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
+            self.selections = dsa.Selections()  # the model shares one among its blocks
             self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
-        else:
-            self.indexer = None
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
@@ -70,7 +71,7 @@ class MLA(nn.Module):
         k_rot = self._rope(k_rot.unsqueeze(2), positions).expand(-1, -1, k_nope.shape[2], -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.indexer is not None:
+        if self.sparse:
             out = self._sparse(x, q_latent, positions, q, k, v, cache, documents)
         else:
             if cache is not None:
@@ -84,18 +85,23 @@ class MLA(nn.Module):
         indexer's KL loss to the attention's distribution is attached (its inputs detached: see dsa.py)."""
         if self.training:
             x, q_latent = x.detach(), q_latent.detach()
-        keys = self.indexer.keys(x, rope)
+        indexed = self.indexer is not None
+        if indexed:
+            self.selections.steps = self.indexer_loss.steps
+        keys = self.indexer.keys(x, rope) if indexed else None
         if cache is not None:
-            keys = cache.update_index(keys)
+            keys = cache.update_index(keys) if indexed else None
             k, v = cache.update(k, v)
-        logits = self.indexer(x, q_latent, rope, keys)
-        mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(logits.shape)
+        mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(q.shape[0], -1, -1)
         if documents is not None:
             mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
-        if not (self.training and self.indexer_loss.steps < self.dense_warmup_steps):
-            mask = dsa.selected(logits, mask, self.args.index_topk)
+        logits = self.indexer(x, q_latent, rope, keys) if indexed else None
+        if indexed:
+            self.selections.masks[self.layer_id] = dsa.selected(logits, mask, self.args.index_topk)
+        if not (self.training and self.selections.steps < self.dense_warmup_steps):
+            mask = self.selections.masks[self.layer_id] if indexed else self.selections.before(self.layer_id)
         out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
-        if self.training and self.indexer_loss.weight:
+        if self.training and indexed and self.indexer_loss.weight:
             out = self.indexer_loss.attach(out, dsa.indexer_kl(probs, logits, mask))
         return out
 
@@ -103,7 +109,7 @@ class MLA(nn.Module):
 class MLABlock(TransformerBlock):
     @staticmethod
     def make_attention(args, layer_id: int) -> nn.Module:
-        return MLA(args)
+        return MLA(args, layer_id)
 
 
 class MTPDepth(nn.Module):
@@ -137,6 +143,9 @@ class DeepSeekV3(Decoder):
         self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
             if args.n_mtp else None
         self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
+        selections = dsa.Selections()  # DSA: what each indexed block picked, for the blocks that share it
+        for attention in (m for m in self.modules() if isinstance(m, MLA) and m.sparse):
+            attention.selections = selections
         self.lookahead = Lookahead()  # the tokens after each position (across CP ranks' chunks)
 
     def forward(self, tokens: torch.Tensor, cache: list[KVCache] | None = None,

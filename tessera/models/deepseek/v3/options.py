@@ -40,6 +40,9 @@ def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
         raise ValueError(f"training.seq_len: {cfg.training.seq_len} tokens, and {label} attends the top "
                          f"{args.index_topk} keys (index_topk): every key, its sparse attention dense; train on "
                          f"sequences longer than index_topk")
+    if args.index_shared and dims.pp > 1:
+        raise ValueError(f"parallelism.pipeline_parallel_degree: {label}'s blocks {args.index_shared} attend the keys "
+                         f"an earlier block picked, which may sit on another stage; not yet under PP")
     for degree, what in ((dims.tp, "tensor"), (dims.cp, "context")):
         if degree > 1:
             raise ValueError(f"parallelism.{what}_parallel_degree: {label}'s sparse attention (DSA) fits its indexer "

@@ -40,7 +40,7 @@ def mtp_depth_tp_plan() -> dict:
 
 
 def parallelize(model: nn.Module, world: World, cfg: DeepSeekV3Config) -> nn.Module:
-    for attention in (m for m in model.modules() if isinstance(m, MLA) and m.indexer is not None):
+    for attention in (m for m in model.modules() if isinstance(m, MLA) and m.sparse):
         attention.dense_warmup_steps = cfg.deepseek_v3.dense_warmup_steps
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     untrained = not cfg.deepseek_v3.mtp_loss_weight
