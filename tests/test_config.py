@@ -483,7 +483,7 @@ def test_an_older_config_loads_with_one_line_per_moved_or_removed_option(tmp_pat
                       "allgather", "--training.steps", "3"])
     assert (cfg.deepseek_v3.mtp_loss_weight, cfg.training.steps) == (0.2, 3)
     saved = tomllib.loads(to_toml(cfg))
-    assert saved["deepseek_v3"] == {"mtp_loss_weight": 0.2} and "mtp_loss_weight" not in saved["training"]
+    assert saved["deepseek_v3"]["mtp_loss_weight"] == 0.2 and "mtp_loss_weight" not in saved["training"]
     with pytest.raises(ConfigError, match=r"^--training.mtp_loss_weight is given twice on the command line"):
         parse_args(["--deepseek_v3.mtp_loss_weight", "0.1", "--training.mtp_loss_weight", "0.2"])
 
@@ -493,7 +493,7 @@ def test_each_familys_options_are_its_own_section_in_help_and_in_the_saved_confi
     assert "[flux]" in text and "[deepseek_v3]" in text and "  --deepseek_v3.mtp_loss_weight" in text
     assert "--training.mtp_loss_weight" not in text and "context_parallel_rotate_method" not in text
     saved = tomllib.loads(to_toml(parse_args(["--model.name", "flux"])))
-    assert saved["flux"]["resolution"] == 16 and saved["deepseek_v3"] == {"mtp_loss_weight": 0.3}
+    assert saved["flux"]["resolution"] == 16 and saved["deepseek_v3"]["mtp_loss_weight"] == 0.3
     with pytest.raises(ConfigError, match=r"^model.name \(on the command line\): 'nope' is not one of llama3, "):
         parse_args(["--model.name", "nope"])
 
