@@ -200,10 +200,6 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     if diffs:
         raise HFError(f"{folder / 'config.json'} describes another model than the one built, in {len(diffs)} "
                       f"field(s): {'; '.join(diffs)}; build config.json's architecture (leave model.flavor empty)")
-    method = _quantization(folder).get("quant_method")
-    if method not in (None, "fp8", "mxfp4"):
-        raise HFError(f"{folder / 'config.json'}: quantization_config quant_method = {method!r}; Tessera dequantizes "
-                      f"fp8 (block) and mxfp4 weights as it reads them, not these; pass dequantized (bf16) weights")
     reader = _reader(folder)
     try:
         saved = reader.read_metadata().state_dict_metadata
@@ -232,6 +228,10 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     if quantized and _quantization(folder).get("quant_method") != "mxfp4":
         raise HFError(f"'{folder}' holds MXFP4 blocks ('{min(quantized)}{mxfp4.BLOCKS}') but its config.json has no "
                       f"mxfp4 quantization_config; add it or pass dequantized weights")
+    method = _quantization(folder).get("quant_method")
+    if method not in (None, "fp8", "mxfp4"):
+        raise HFError(f"{folder / 'config.json'}: quantization_config quant_method = {method!r}; Tessera dequantizes "
+                      f"fp8 (block) and mxfp4 weights as it reads them, not these; pass dequantized (bf16) weights")
     parts = {n + suffix for n in quantized for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)}
     sizes = {**{n: tuple(m.size) for n, m in saved.items() if n not in parts},
              **{n: mxfp4.shape(saved, n) for n in quantized}}

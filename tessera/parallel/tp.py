@@ -60,12 +60,30 @@ class Replicated(ParallelStyle):
         group, columns = device_mesh.get_group().group_name, self.sum_grad_columns
 
         def inputs(_, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, (Replicate(),), run_check=False) for a in args)
+            return tuple(a if a is None else DTensor.from_local(a, mesh, (Replicate(),), run_check=False)
+                         for a in args)
 
         def output(_, out, __):
+            if isinstance(out, tuple):  # several outputs (DSA's indexer: logits, keys), each local
+                return tuple(o.to_local() for o in out)
             return _SumTail.apply(out.to_local(), columns, group) if columns else out.to_local()
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=output)
+
+
+class SummedOverRanks(ParallelStyle):
+    """A module whose output, a sum over the heads a rank holds, is summed over the TP ranks (all heads'): forward
+    only, for a target no gradient flows through (DSA's indexer target, tessera.models.deepseek.dsa.HeadSum)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def output(_, out, __):
+            out = out.detach()
+            torch.distributed.all_reduce(out, group=group)
+            return out
+
+        return distribute_module(module, device_mesh, output_fn=output)
 
 
 class ShardedByHead(ParallelStyle):

@@ -40,21 +40,29 @@ class Indexer(nn.Module):
             turned = torch.cat([turned[..., 0::2], turned[..., 1::2]], dim=-1)
         return torch.cat([apply_rope(turned, rope), kept], dim=-1)
 
-    def keys(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, index_head_dim]: one key per token."""
-        return self._rope(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)
-
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, n_q, n_k] of the queries of `x` / `q_latent` (the main query's normed bottleneck) over
-        `keys` (keys() of every position so far), in fp32 (no mask applied)."""
+                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [batch, n_q, n_k] in fp32, no mask applied; the new positions' keys [batch, seq, head dim]) of the
+        queries of `x` / `q_latent` (the main query's normed bottleneck) over the keys of `past` positions (cached,
+        when decoding) and of x's own."""
         a = self.args
         bsz, seq, _ = x.shape
+        new = self._rope(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)
+        keys = new if past is None else torch.cat([past, new], dim=1)
         q = self._rope(self.wq_b(q_latent).view(bsz, seq, a.index_n_heads, a.index_head_dim), rope)
         scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
                         * a.index_head_dim ** -0.5)  # [batch, n_q, heads, n_k]
         weights = self.weights_proj(x).float() * a.index_n_heads ** -0.5
-        return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2), new
+
+
+class HeadSum(nn.Module):
+    """The attention probabilities [batch, heads, n_q, n_k] summed over heads: the indexer's target. A module of
+    its own, so that tensor parallelism, whose ranks each hold some heads, sums the others' in
+    (tessera.parallel.tp.SummedOverRanks)."""
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs.sum(1)
 
 
 class Selections:
@@ -91,10 +99,10 @@ def attention_with_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return probs.to(v.dtype) @ v, probs
 
 
-def indexer_kl(probs: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def indexer_kl(summed: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The mean over queries of KL(p || softmax(logits)) over the keys `mask` allows, p the heads' attention
-    probabilities summed and L1-normalized there (no gradient)."""
-    p = probs.detach().sum(1).masked_fill(~mask, 0.0)
+    probabilities `summed` [batch, n_q, n_k] (HeadSum's), L1-normalized there (no gradient)."""
+    p = summed.detach().masked_fill(~mask, 0.0)
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-20)
     log_q = logits.masked_fill(~mask, float("-inf")).log_softmax(dim=-1).masked_fill(~mask, 0.0)
     return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
@@ -108,8 +116,10 @@ class IndexedCache(KVCache):
         super().__init__(batch, max_len, n_heads, head_dim, dtype, device, v_dim)
         self.register_buffer("index_k", torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device))
 
-    def update_index(self, k: torch.Tensor) -> torch.Tensor:
-        """Append the indexer's keys [batch, new, dim] at the positions update() will fill next; all so far."""
-        end = self.length + k.shape[1]
-        self.index_k[:, self.length:end] = k
-        return self.index_k[:, :end]
+    def past_index(self) -> torch.Tensor:
+        """The indexer's keys of the positions so far (before update() adds the new ones)."""
+        return self.index_k[:, :self.length]
+
+    def update_index(self, k: torch.Tensor) -> None:
+        """Write the indexer's keys [batch, new, dim] at the positions update() will fill next."""
+        self.index_k[:, self.length:self.length + k.shape[1]] = k

@@ -47,6 +47,7 @@ class MLA(nn.Module):
                 self.indexer = dsa.Indexer(a)
                 self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
             self.selections = dsa.Selections()  # the model shares one among its blocks
+            self.head_sum = dsa.HeadSum()
             self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -88,21 +89,23 @@ class MLA(nn.Module):
         indexed = self.indexer is not None
         if indexed:
             self.selections.steps = self.indexer_loss.steps
-        keys = self.indexer.keys(x, rope) if indexed else None
+        logits = None
+        if indexed:
+            logits, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
+            if cache is not None:
+                cache.update_index(keys)
         if cache is not None:
-            keys = cache.update_index(keys) if indexed else None
             k, v = cache.update(k, v)
         mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(q.shape[0], -1, -1)
         if documents is not None:
             mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
-        logits = self.indexer(x, q_latent, rope, keys) if indexed else None
         if indexed:
             self.selections.masks[self.layer_id] = dsa.selected(logits, mask, self.args.index_topk)
         if not (self.training and self.selections.steps < self.dense_warmup_steps):
             mask = self.selections.masks[self.layer_id] if indexed else self.selections.before(self.layer_id)
         out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
         if self.training and indexed and self.indexer_loss.weight:
-            out = self.indexer_loss.attach(out, dsa.indexer_kl(probs, logits, mask))
+            out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(probs.detach()), logits, mask))
         return out
 
 

@@ -43,8 +43,7 @@ def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
     if args.index_shared and dims.pp > 1:
         raise ValueError(f"parallelism.pipeline_parallel_degree: {label}'s blocks {args.index_shared} attend the keys "
                          f"an earlier block picked, which may sit on another stage; not yet under PP")
-    for degree, what in ((dims.tp, "tensor"), (dims.cp, "context")):
-        if degree > 1:
-            raise ValueError(f"parallelism.{what}_parallel_degree: {label}'s sparse attention (DSA) fits its indexer "
-                             f"to the attention of all heads over every key, which {what} parallelism splits over "
-                             f"ranks; not yet under TP or CP (use FSDP, EP and PP)")
+    if dims.cp > 1:
+        raise ValueError(f"parallelism.context_parallel_degree: {label}'s sparse attention (DSA) ranks every earlier "
+                         f"key for each query, and context parallelism splits the keys over ranks; not yet under CP "
+                         f"(use FSDP, TP, EP and PP)")

@@ -21,15 +21,22 @@ from tessera.models.deepseek.v3 import FAMILY
 from tessera.models.deepseek.v3.model import MLA
 from tessera.models.deepseek.v3.options import DeepSeekV3Config
 from tessera.parallel.cp import ContextParallelLookahead
-from tessera.parallel.tp import Replicated, attention_plan
+from tessera.parallel.tp import Replicated, SummedOverRanks, attention_plan
 
 
-def mla_tp_plan(args) -> dict:
+def mla_tp_plan(args):
+    """The blocks' plan; with sparse attention (DSA) a block's: its indexer replicated (each rank scores every key
+    for every query, the same top-k), the attention probabilities its loss is fitted to summed over the ranks'
+    heads."""
     query = "wq_b" if args.q_lora_rank else "wq"
     replicated = ("wq_a", "q_norm", "kv_norm") if args.q_lora_rank else ("kv_norm",)
-    return {**attention_plan("attention", (query, "wkv_b"), "wo", NORMS, local_input=True),
+    plan = {**attention_plan("attention", (query, "wkv_b"), "wo", NORMS, local_input=True),
             **{f"attention.{name}": Replicated() for name in replicated},
             "attention.wkv_a": Replicated(sum_grad_columns=args.qk_rope_head_dim)}
+    if not args.index_topk:
+        return plan
+    return lambda block: {**plan, **({"attention.indexer": Replicated(), "attention.head_sum": SummedOverRanks()}
+                                     if block.attention.indexer is not None else {})}
 
 
 def mtp_depth_tp_plan() -> dict:
