@@ -28,7 +28,9 @@ def _softmax_scale(args) -> float:
 class MLA(nn.Module):
     def __init__(self, args, layer_id: int = 0):
         super().__init__()
-        a, self.args, self.layer_id = args, args, layer_id
+        # _layer_id: which block this is (DSA's shared selections), no setting of its own (tessera.estimate traces
+        # blocks alike in all else as one kind)
+        a, self.args, self._layer_id = args, args, layer_id
         q_out = a.n_heads * a.head_dim
         if a.q_lora_rank:
             self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
@@ -100,9 +102,9 @@ class MLA(nn.Module):
         if documents is not None:
             mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
         if indexed:
-            self.selections.masks[self.layer_id] = dsa.selected(logits, mask, self.args.index_topk)
+            self.selections.masks[self._layer_id] = dsa.selected(logits, mask, self.args.index_topk)
         if not (self.training and self.selections.steps < self.dense_warmup_steps):
-            mask = self.selections.masks[self.layer_id] if indexed else self.selections.before(self.layer_id)
+            mask = self.selections.masks[self._layer_id] if indexed else self.selections.before(self._layer_id)
         out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
         if self.training and indexed and self.indexer_loss.weight:
             out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(probs.detach()), logits, mask))
