@@ -370,9 +370,9 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     summed over TP); TP 2 x FSDP 2 on the plain-query V2 debug model; 2 MTP depths under EP 2 x FSDP 4; and,
     from HF folders, EP 2 x CP 2 on a YaRN-scaled MLA (its softmax scale kept by CP's kernel) and EP 2 x FSDP 4
     on FP8 block-quantized weights (each rank dequantizing its own slices); V3.2's sparse attention (2 dense
-    warm-up steps, then top-k) under EP 2 x FSDP 4, PP 2 x EP 2 x FSDP and TP 2 x EP 2 x FSDP 2 (the indexer
-    replicated, the attention it is fitted to summed over the ranks' heads), GLM-5's (a block sharing the
-    selection of the one before) under EP 2 x FSDP 4. And DeepSeek V3
+    warm-up steps, then top-k) under EP 2 x FSDP 4 with selective op AC, PP 2 x EP 2 x FSDP and TP 2 x EP 2 x
+    FSDP 2 (the indexer replicated, the attention it is fitted to summed over the ranks' heads), GLM-5's (a block
+    sharing the selection of the one before, read again when full AC recomputes it) under EP 2 x FSDP 4. And DeepSeek V3
     671B's layout in
     small: PP 2 x FSDP 2 in bf16 with an MTP depth kept untrained, whose losses stay within bf16's 2% of one
     fp32 process and whose depth is saved as initialized."""
@@ -391,14 +391,15 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
                   ["--parallelism.tensor_parallel_degree", "2"])
     kept = [*mtp, "--training.mtp_loss_weight", "0"]
     op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    full_ac = ["--activation_checkpoint.mode", "full"]
     v32 = [*model, "--model.flavor", "v32_debugmodel", "--deepseek_v3.dense_warmup_steps", "2"]
     glm5 = [*model, "--model.flavor", "glm5_debugmodel", "--deepseek_v3.dense_warmup_steps", "2"]
     references = [one_process([*m, batch, "8"], 4)
                   for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, v32, v32, v32, glm5, kept)]
     cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp, *op_ac],
              [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
-             [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep], [*v32, batch, "2", *ep],
-             [*v32, batch, "4", *ep, *pp], [*v32, batch, "4", *ep, *tp], [*glm5, batch, "2", *ep],
+             [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep], [*v32, batch, "2", *ep, *op_ac],
+             [*v32, batch, "4", *ep, *pp], [*v32, batch, "4", *ep, *tp], [*glm5, batch, "2", *ep, *full_ac],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
     *exact, bf16 = run_cases(4, cases, 4)
     for got, reference in zip(exact, references[:-1], strict=True):

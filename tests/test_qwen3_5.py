@@ -314,8 +314,8 @@ def test_layouts_equal_one_process(tmp_path):
     """One 2-rank launch: FSDP (also with selective op AC), TP + SP (DeltaNet's heads, taps and decay split by
     head; also with each block compiled whole-graph: the chunked DeltaNet's scan, triangular solves and causal
     convolution trace without a break), PP (each stage a DeltaNet and a full-attention block) of the dense model;
-    EP and TP of the MoE one; EP (FSDP beside it on the dense blocks) and PP (each stage a dense and a MoE block) of
-    Qwen3-Next's.
+    EP and TP of the MoE one; EP (FSDP beside it on the dense blocks), PP (each stage a dense and a MoE block) and TP
+    of Qwen3-Next's.
     Losses, grad norms and step-1 gradients equal a single process's (fp32)."""
     from tests.launch import assert_matches, one_process, run_cases
 
@@ -332,7 +332,8 @@ def test_layouts_equal_one_process(tmp_path):
              "moe ep2": [*_MOE, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
              "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp],
              "next ep2": [*_NEXT, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
-             "next pp2": [*_NEXT, "--training.local_batch_size", "8", *pp]}
+             "next pp2": [*_NEXT, "--training.local_batch_size", "8", *pp],
+             "next tp2": [*_NEXT, "--training.local_batch_size", "8", *tp]}
     for name, got in zip(cases, run_cases(2, list(cases.values()), STEPS), strict=True):
         try:
             assert_matches(got, refs[name.split()[0]], 1e-5)
@@ -351,7 +352,8 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
     gradients, final parameters; fp32): HSDP 2 x 2 (dense); Muon under FSDP 2 x TP 2 (dense) and EP 2 x FSDP 2
     (MoE): the projections (DeltaNet's wb and wa too) and experts orthogonalized, convolution taps, decay and norms
     under AdamW; Ulysses CP 2 x FSDP 2 (dense) and CP 2 x EP 2 (MoE) on packed documents: DeltaNet runs whole
-    sequences of a head group per rank, its state reset per document. Float8 (emulated, tensorwise) under FSDP 4,
+    sequences of a head group per rank, its state reset per document; the same for Qwen3-Next (its dense and MoE
+    blocks) under selective op AC. Float8 (emulated, tensorwise) under FSDP 4,
     as tests/test_speed_features.py holds it: its activations' scales are each rank's own amax, so against one
     process it is within float8's rounding (and off high precision); with FSDP float8 all-gathers (weights cast
     before the gather, by the global amax) it equals the same layout without them."""
@@ -373,6 +375,10 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
         "Ulysses CP 2 x FSDP 2, documents": ([*_DENSE, *packed], [batch, "4", *_ULYSSES]),
         "MoE Ulysses CP 2 x EP 2, documents": ([*_MOE, *packed], [batch, "4", *_ULYSSES,
                                                                   "--parallelism.expert_parallel_degree", "2"]),
+        "Qwen3-Next Ulysses CP 2 x EP 2, documents, op AC": (
+            [*_NEXT, *packed, "--activation_checkpoint.mode", "selective",
+             "--activation_checkpoint.selective_ac_option", "op"],
+            [batch, "4", *_ULYSSES, "--parallelism.expert_parallel_degree", "2"]),
     }
     results = dict(zip(cases, run_cases(4, [[*m, *layout] for m, layout in cases.values()], STEPS),
                        strict=True))

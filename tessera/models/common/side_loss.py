@@ -29,15 +29,23 @@ class SideLoss(nn.Module):
         self.metric, self.weight_option = metric, weight_option
         self.weight, self.share = 0.0, 1.0
         self.steps = 0  # the optimizer steps done before this forward (the trainer sets it each step)
-        self.total, self.count = None, 0  # the sum of its unweighted values since the last reset
+        self.values: list[torch.Tensor] = []  # its unweighted values since the last reset (summed when read: an
+        # add here would run once more when activation checkpointing recomputes a block, which selective AC refuses)
+
+    @property
+    def count(self) -> int:
+        return len(self.values)
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        return torch.stack(self.values).sum() if self.values else None
 
     def attach(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        self.total = loss.detach() if self.count == 0 else self.total + loss.detach()
-        self.count += 1
+        self.values.append(loss.detach())
         return AddLossGrad.apply(out, loss * (self.weight * self.share))
 
     def reset(self) -> None:
-        self.total, self.count = None, 0
+        self.values = []
 
 
 class Lookahead(nn.Module):
