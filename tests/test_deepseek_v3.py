@@ -311,7 +311,7 @@ def _quantize_fp8(folder, block: int) -> None:
                 scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
                 q = (tiles / scale[:, None, :, None]).view_as(padded)[:w.shape[0], :w.shape[1]]
                 out[name] = q.to(torch.float8_e4m3fn)
-                out[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+                out[name.removesuffix(".weight") + ".weight_scale_inv"] = scale.float()
         save_file(out, file, metadata={"format": "pt"})
         weight_map.update({n: file.name for n in out})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -326,15 +326,28 @@ def _quantize_fp8(folder, block: int) -> None:
 def test_fp8_block_quantized_checkpoints_are_dequantized_on_import(tmp_path, block):
     """Each weight equals its fp8 blocks times their inverse scales (blocks that overhang the edges included),
     so the logits equal transformers' given the same dequantized weights."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import DeepseekV3ForCausalLM
 
     _theirs(tmp_path / "in", **_CONFIGS["q_lora_interleaved_yarn"])
     _quantize_fp8(tmp_path / "in", block)
     ours, _ = _ours(tmp_path / "in")
-    (tmp_path / "ref").mkdir()
+    weight_map = dequantized_copy(tmp_path / "in", tmp_path / "ref", block)
+    torch.testing.assert_close(ours.state_dict()["layers.1.attention.wkv_b.weight"],
+                               load_file(tmp_path / "ref" / weight_map[_KV_B])[_KV_B], rtol=0, atol=0)
+    ref = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ref").eval()
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def dequantized_copy(folder, out, block: int) -> dict:
+    """An fp8 folder (`_quantize_fp8`'s) with each weight dequantized, written to `out`; its weight map."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
     weight_map = {}
-    for file in (tmp_path / "in").glob("*.safetensors"):
+    for file in folder.glob("*.safetensors"):
         state, plain = load_file(file), {}
         for name, w in state.items():
             scale = state.get(name.removesuffix(".weight") + ".weight_scale_inv")
@@ -344,18 +357,13 @@ def test_fp8_block_quantized_checkpoints_are_dequantized_on_import(tmp_path, blo
             if scale is not None:
                 w = w.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
             plain[name] = w
-        save_file(plain, tmp_path / "ref" / file.name, metadata={"format": "pt"})
+        save_file(plain, out / file.name, metadata={"format": "pt"})
         weight_map.update({n: file.name for n in plain})
-    (tmp_path / "ref" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    config = json.loads((tmp_path / "in" / "config.json").read_text())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((folder / "config.json").read_text())
     del config["quantization_config"]
-    (tmp_path / "ref" / "config.json").write_text(json.dumps(config))
-    torch.testing.assert_close(ours.state_dict()["layers.1.attention.wkv_b.weight"],
-                               load_file(tmp_path / "ref" / weight_map[_KV_B])[_KV_B], rtol=0, atol=0)
-    ref = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ref").eval()
-    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+    (out / "config.json").write_text(json.dumps(config))
+    return weight_map
 
 
 _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"

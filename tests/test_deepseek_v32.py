@@ -150,3 +150,19 @@ def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains():
     runs = [run_train([*v32, "--deepseek_v3.dense_warmup_steps", steps], 4) for steps in ("2", "0")]
     assert all(h["indexer_loss"] > 0 for h in runs[0]["history"]) and len(runs[0]["history"]) == 4
     assert runs[0]["losses"][1] != runs[1]["losses"][1]
+
+
+def test_fp8_release_style_weights_load_dequantized(tmp_path):
+    """V3.2 released as V3 was: fp8 blocks with inverse scales (the indexer's projections among them); the logits
+    equal transformers' on the same weights dequantized."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_deepseek_v3 import _quantize_fp8, dequantized_copy
+
+    _theirs(tmp_path / "in", **V32["yarn_topk5"])
+    _quantize_fp8(tmp_path / "in", 16)
+    ours, _ = import_hf("deepseek_v3", tmp_path / "in")
+    dequantized_copy(tmp_path / "in", tmp_path / "ref", 16)
+    ref = transformers.DeepseekV32ForCausalLM.from_pretrained(tmp_path / "ref", attn_implementation="eager").eval()
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
