@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import smoke_option, write_json  # noqa: E402
+from common import layer_device, smoke_option, write_json  # noqa: E402
 
 
 def _layers(a, device, dtype):
@@ -111,10 +111,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/deltanet.json"))
     smoke_option(p, seqs="128,256", rounds=1, dim=64)
     a = p.parse_args()
-    import torch
-
-    cuda = torch.cuda.is_available()
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    device, dtype = layer_device()
     attention, deltanet = _layers(a, device, dtype)
     print(f"one layer, forward + backward, batch 1, {device.type} {dtype}, width {a.dim}, chunk {a.chunk}:")
     rows = [at_length(int(s), a, attention, deltanet, device, dtype, i == 0) for i, s in enumerate(a.seqs.split(","))]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_deltanet import measure  # noqa: E402
-from common import smoke_option, write_json  # noqa: E402
+from common import layer_device, smoke_option, write_json  # noqa: E402
 
 
 def _layers(a, device, dtype):
@@ -76,10 +76,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/dsa.json"))
     smoke_option(p, seqs="96,160", topk=32, rounds=1, dim=64)
     a = p.parse_args()
-    import torch
-
-    cuda = torch.cuda.is_available()
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    device, dtype = layer_device()
     dense, sparse = _layers(a, device, dtype)
     print(f"one layer, forward + backward, batch 1, {device.type} {dtype}, width {a.dim}, top-k {a.topk}:")
     rows = [at_length(int(s), a, dense, sparse, device, dtype, i == 0) for i, s in enumerate(a.seqs.split(","))]

@@ -181,3 +181,12 @@ def write_json(path: str | Path, result: dict, quiet: bool = False) -> None:
     Path(path).write_text(json.dumps(result, indent=2))
     if not quiet:
         print(f"  -> {path}")
+
+
+def layer_device():
+    """(device, dtype) of the one-layer benchmarks: CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32

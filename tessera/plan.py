@@ -116,7 +116,7 @@ def candidates(cfg: JobConfig, args, gpus: int, gpus_per_node: int, global_batch
                 eps = [1] if moe is None else [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                if moe.n_experts % e == 0 and e % (cp * tp) == 0
                                                and (dp * cp * tp) % e == 0]
-                method = cp_method(SimpleNamespace(tp=tp, cp=cp), args)
+                method = cp_method(SimpleNamespace(tp=tp, cp=cp), args, seq / cp)
                 for r in replicates:
                     for ep in eps:
                         out += _batches(tp, pp, cp, ep, r, dp // r, global_batch, method)

@@ -200,6 +200,13 @@ def test_time_model_and_plan_take_the_cp_method_that_sends_less():
     methods = {(c.cp, c.tp): c.overrides(65536)["parallelism"].get("context_parallel_method")
                for c in candidates(base, args, 64, 8, 0)}
     assert methods[(1, 1)] is None and methods[(2, 1)] == "allgather" and methods[(8, 1)] == "ulysses"
+    # Qwen 3.5 35B-A3B (3 of 4 layers Gated DeltaNet): all-gather CP passes the DeltaNet layers' states (a fixed
+    # few MB), Ulysses sends their per-token inputs: at 32k the state passing sends less, at CP 16 beyond its heads
+    hybrid = parse_args(["--model.name", "qwen3_5_moe", "--model.flavor", "35B-A3B", "--training.seq_len", "32768"])
+    args, _ = sizes(hybrid)
+    sent = {m: cp_bytes(m, dims(4), args, 8192) for m in ("allgather", "ulysses")}
+    assert sent["allgather"] < 0.25 * sent["ulysses"] and cp_method(dims(4), args, 8192) == "allgather"
+    assert cp_method(dims(2), args, 8) == "ulysses"  # a few tokens a rank: the states weigh more
 
 
 def test_plan_reduces_each_microbatch_where_only_that_fits(monkeypatch):

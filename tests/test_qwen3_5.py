@@ -333,7 +333,9 @@ def test_layouts_equal_one_process(tmp_path):
              "moe tp2": [*_MOE, "--training.local_batch_size", "8", *tp],
              "next ep2": [*_NEXT, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
              "next pp2": [*_NEXT, "--training.local_batch_size", "8", *pp],
-             "next tp2": [*_NEXT, "--training.local_batch_size", "8", *tp]}
+             "next tp2": [*_NEXT, "--training.local_batch_size", "8", *tp],
+             "dense cp2 state passing": [*_DENSE, "--training.local_batch_size", "8",
+                                         "--parallelism.context_parallel_degree", "2"]}
     for name, got in zip(cases, run_cases(2, list(cases.values()), STEPS), strict=True):
         try:
             assert_matches(got, refs[name.split()[0]], 1e-5)
@@ -353,7 +355,9 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
     (MoE): the projections (DeltaNet's wb and wa too) and experts orthogonalized, convolution taps, decay and norms
     under AdamW; Ulysses CP 2 x FSDP 2 (dense) and CP 2 x EP 2 (MoE) on packed documents: DeltaNet runs whole
     sequences of a head group per rank, its state reset per document; the same for Qwen3-Next (its dense and MoE
-    blocks) under selective op AC. Float8 (emulated, tensorwise) under FSDP 4,
+    blocks) under selective op AC. All-gather CP 4 (above the dense model's 2 key heads) and CP 2 x EP 2 (MoE) on
+    packed documents, the DeltaNet layers by state passing (each rank its chunks, their starting state composed
+    from the chunks before, reset where a document starts). Float8 (emulated, tensorwise) under FSDP 4,
     as tests/test_speed_features.py holds it: its activations' scales are each rank's own amax, so against one
     process it is within float8's rounding (and off high precision); with FSDP float8 all-gathers (weights cast
     before the gather, by the global amax) it equals the same layout without them."""
@@ -375,6 +379,11 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
         "Ulysses CP 2 x FSDP 2, documents": ([*_DENSE, *packed], [batch, "4", *_ULYSSES]),
         "MoE Ulysses CP 2 x EP 2, documents": ([*_MOE, *packed], [batch, "4", *_ULYSSES,
                                                                   "--parallelism.expert_parallel_degree", "2"]),
+        "state passing CP 4 (above the 2 key heads), documents": (
+            [*_DENSE, *packed], [batch, "8", "--parallelism.context_parallel_degree", "4"]),
+        "MoE state passing CP 2 x EP 2, documents": (
+            [*_MOE, *packed], [batch, "4", "--parallelism.context_parallel_degree", "2",
+                               "--parallelism.expert_parallel_degree", "2"]),
         "Qwen3-Next Ulysses CP 2 x EP 2, documents, op AC": (
             [*_NEXT, *packed, "--activation_checkpoint.mode", "selective",
              "--activation_checkpoint.selective_ac_option", "op"],
@@ -398,13 +407,13 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
 
 @pytest.mark.fast
 @pytest.mark.parametrize(("argv", "world", "line"), [
-    ([*_DENSE, "--parallelism.context_parallel_degree", "2"], 2,
-     "parallelism.context_parallel_method: allgather would leave each rank a part of the sequence that qwen3_5 "
-     "tiny's Gated DeltaNet recurrence runs along; use ulysses"),
     ([*_MOE, "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses",
       "--parallelism.tensor_parallel_degree", "2"], 4,
      "parallelism.context_parallel_degree: ulysses splits qwen3_5_moe debugmodel_moe's 2 DeltaNet key heads over "
      "TP 2 x CP 2 = 4 ranks"),
+    ([*_DENSE, "--parallelism.context_parallel_degree", "8", "--training.seq_len", "32"], 8,
+     "parallelism.context_parallel_degree: all-gather CP 8 cuts each sequence into 16 chunks of 2 tokens, and "
+     "qwen3_5 tiny's DeltaNet convolution reads the 3 before each token"),
 ])
 def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
     from tessera.config import ConfigError

@@ -100,17 +100,37 @@ def cp_bytes(method: str, dims, args, rows: float, act: int = 2) -> float:
     kv = getattr(args, "n_kv_heads", args.n_heads) / dims.tp
     if method == "ulysses":
         kv = math.lcm(max(1, int(kv)), dims.cp)
-        return 2 * (dims.cp - 1) / dims.cp * rows * (2 * args.n_heads / dims.tp + 2 * kv) * head_dim * act
-    return 2 * (dims.cp - 1) * rows * 2 * kv * head_dim * act
+        attention = 2 * (dims.cp - 1) / dims.cp * rows * (2 * args.n_heads / dims.tp + 2 * kv) * head_dim * act
+    else:
+        attention = 2 * (dims.cp - 1) * rows * 2 * kv * head_dim * act
+    if not hasattr(args, "linear_k_heads"):
+        return attention
+    full = sum(not args.linear(i) for i in range(args.n_layers)) / args.n_layers  # a hybrid: per layer, on average
+    return full * attention + (1 - full) * _linear_cp_bytes(method, dims, args, rows, act)
 
 
-def cp_method(dims, args) -> str:
+def _linear_cp_bytes(method: str, dims, args, rows: float, act: int) -> float:
+    """A linear-attention (Gated DeltaNet) layer's: ulysses sends (CP - 1) / CP of its per-token inputs (q, k, v, a,
+    b) and outputs, and their gradients; all-gather CP passes states (tessera.parallel.cp.StatePassing): each rank's two
+    chunks' [value heads, dk, dk + dv] in fp32 to the CP - 1 others, and their gradients, whatever the length."""
+    k_heads, v_heads = args.linear_k_heads / dims.tp, args.linear_v_heads / dims.tp
+    dk, dv = args.linear_k_dim, args.linear_v_dim
+    if method == "ulysses":
+        per_token = 2 * k_heads * dk + 2 * v_heads * dv + 2 * v_heads
+        return 2 * (dims.cp - 1) / dims.cp * rows * per_token * act
+    return 2 * (dims.cp - 1) * 2 * v_heads * dk * (dk + dv) * 4
+
+
+def cp_method(dims, args, rows: float = 1.0) -> str:
     """The context parallel method that sends fewer bytes (the same group's links carry either; the time model
     exposes both): ulysses where the heads divide by TP x CP and its all-to-alls move less than all-gather's keys
-    and values, which is for CP > (query heads + key heads after repeats) / key heads per rank."""
-    if dims.cp == 1 or args.n_heads % (dims.tp * dims.cp):
+    and values, which is for CP > (query heads + key heads after repeats) / key heads per rank. `rows`: a rank's
+    tokens of a sequence (a hybrid's DeltaNet layers pass states under all-gather CP, whatever the length)."""
+    ranks = dims.tp * dims.cp
+    if dims.cp == 1 or args.n_heads % ranks or getattr(args, "linear_k_heads", ranks) % ranks:
         return "allgather"
-    return "ulysses" if cp_bytes("ulysses", dims, args, 1) < cp_bytes("allgather", dims, args, 1) else "allgather"
+    return "ulysses" if cp_bytes("ulysses", dims, args, rows) < cp_bytes("allgather", dims, args, rows) \
+        else "allgather"
 
 
 def step_time(cfg, dims, args, counts, grad_accum: int, cluster: Cluster) -> StepTime:

@@ -240,20 +240,87 @@ class UlyssesHeads(nn.Module):
         return _exchange(back, self.group).movedim(0, 2).flatten(2, 3)  # [b, 2L, CP (head group) x heads / CP, ...]
 
 
+def _owner(chunk: int, cp: int) -> tuple[int, int]:
+    """(rank, its piece 0 or 1) holding chunk `chunk` of 2 CP."""
+    return (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)
+
+
+class StatePassing(nn.Module):
+    """A DeltaNet layer's `rule` (tessera.models.common.deltanet.DeltaRule) under all-gather CP, by state passing:
+    each rank runs the delta rule on its own two chunks of the sequence (chunks r and 2 CP - 1 - r of 2 CP,
+    shard_sequence's), and the state each chunk starts from comes from the chunks before it, so the CP degree is
+    not bounded by the heads (Ulysses' is) and no per-token all-to-all is needed.
+
+    The delta rule is linear in its initial state: a chunk maps the state S it starts from to A S + B, and its
+    outputs to O0 + Q S. One pass over a chunk with an extra block of value columns gives all of them: values
+    [v | 0] from the initial state [0 | I] end in [B | A] with outputs [O0 | Q]. The ranks all-gather their chunks'
+    (A, B) (per value head [dk, dk + dv], whatever the length), each composes the chunks before its own into the
+    state it starts from (zero where a document starts) and adds Q S to its outputs; gradients reach the earlier
+    chunks through the all-gather. The short causal convolution before the rule reads the last K - 1 inputs of the
+    chunk before (gathered too). Computed with the chunked torch form (not fla's kernels)."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, rule: nn.Module, documents: WholeDocuments):
+        super().__init__()
+        self.group, self.cp_rank, self.cp, self.rule, self.documents = group, cp_rank, cp, rule, documents
+
+    def forward(self, inputs: list[torch.Tensor], heads: list[torch.Tensor], documents: torch.Tensor | None = None,
+                cache=None, chunk_size: int = 64, fla: bool = False) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("context parallel (state passing): decoding with a cache runs without context "
+                             "parallelism")
+        q, k, v, a, b = inputs
+        *taps, a_log, dt_bias = heads
+        qkv, weight, sizes = torch.cat([q, k, v], dim=-1), torch.cat(taps), [len(t) for t in taps]
+        back, half = weight.shape[1] - 1, qkv.shape[1] // 2
+        whole = None if documents is None else self.documents(documents)  # [batch, 2 CP L]
+        # the K - 1 convolution inputs before each chunk: the end of the chunk before it, wherever it is
+        tails = _AllGather.apply(torch.stack([qkv[:, half - back:half], qkv[:, 2 * half - back:]]), self.group)
+        pieces, ends = [], []
+        for i, chunk in enumerate(chunk_ids(self.cp_rank, self.cp)):
+            part = slice(i * half, (i + 1) * half)
+            halo = tails[_owner(chunk - 1, self.cp)] if chunk else qkv.new_zeros(qkv.shape[0], back, qkv.shape[2])
+            docs = None if whole is None else whole[:, max(chunk * half - back, 0):(chunk + 1) * half]
+            if docs is not None and not chunk:  # nothing before the sequence: its own document number, unlike any
+                docs = torch.cat([docs.new_full((docs.shape[0], back), -1), docs], dim=1)
+            conv = self.rule.conv(torch.cat([halo, qkv[:, part]], dim=1), weight, docs)[:, back:]
+            qs, ks, vs, g, beta = self.rule.gates(conv, sizes, a[:, part], b[:, part], a_log, dt_bias)
+            dk, dv, heads_ = ks.shape[-1], vs.shape[-1], ks.shape[2]
+            eye = torch.eye(dk, device=qs.device).expand(qs.shape[0], heads_, dk, dk)
+            start = torch.cat([eye.new_zeros(*eye.shape[:-1], dv), eye], dim=-1)  # [0 | I]
+            values = torch.cat([vs.float(), vs.new_zeros(*vs.shape[:-1], dk).float()], dim=-1)  # [v | 0]
+            out, end = self.rule.chunked(qs, ks, values, g, beta, chunk_size, start,
+                                            None if whole is None else docs[:, back:], self.rule.scan)
+            pieces.append(out)
+            ends.append(end)  # [batch, heads, dk, dv + dk] = [B | A]
+        every = _AllGather.apply(torch.stack(ends), self.group)  # [CP, 2, batch, heads, dk, dv + dk]
+        outs = []
+        for chunk, out in zip(chunk_ids(self.cp_rank, self.cp), pieces, strict=True):
+            state = out.new_zeros(*every.shape[2:-1], dv)
+            for before in range(chunk):  # the chunks before this one, in order
+                end = every[_owner(before, self.cp)]
+                state = end[..., dv:] @ state + end[..., :dv]
+            if whole is not None and chunk:  # a document starting with this chunk starts from nothing
+                fresh = whole[:, chunk * half] != whole[:, chunk * half - 1]
+                state = state * (~fresh).to(state.dtype)[:, None, None, None]
+            reads = out[..., dv:].transpose(1, 2) @ state  # [batch, heads, seq, dv]
+            outs.append(out[..., :dv] + reads.transpose(1, 2).to(out.dtype))
+        return torch.cat(outs, dim=1).to(v.dtype)
+
+
 def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
     """Swap each block's attention kernel (`<attention>.sdpa`) for the context-parallel one of `method`
-    (parallelism.context_parallel_method); a linear-attention mixer's per-head recurrence (`<attention>.rule`)
-    takes Ulysses only: all-gather CP would leave each rank a part of the sequence the recurrence runs along. The
-    blocks share one gathering of the document numbers per forward."""
+    (parallelism.context_parallel_method); a linear-attention mixer's per-head recurrence (`<attention>.rule`) runs
+    Ulysses (whole sequences of a head group per rank) or, under all-gather CP, by state passing (each rank its
+    chunks, the state they start from composed from the chunks before: StatePassing). The blocks share one
+    gathering of the document numbers per forward."""
+
     group, rank, cp = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     documents = WholeDocuments(group, cp)
     for block in blocks.values():
         module = getattr(block, attention)
         if hasattr(module, "rule"):
-            if method != "ulysses":
-                raise ValueError(f"context_parallel_method = {method!r}: a linear-attention layer needs each head's "
-                                 f"whole sequence; use ulysses")
-            module.rule = UlyssesHeads(group, rank, cp, module.rule, documents)
+            wrap = UlyssesHeads if method == "ulysses" else StatePassing
+            module.rule = wrap(group, rank, cp, module.rule, documents)
             continue
         if method == "ulysses":
             module.sdpa = UlyssesAttention(group, rank, cp, module.sdpa, documents)

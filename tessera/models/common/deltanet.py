@@ -187,6 +187,8 @@ class DeltaRule(nn.Module):
     (tessera.parallel.cp.UlyssesHeads). `scan`: its scan across chunks (see chunk_gated_delta_rule)."""
 
     scan = staticmethod(delta_scan)
+    conv = staticmethod(causal_conv)  # and its convolution and chunked rule, for a context-parallel wrapper
+    chunked = staticmethod(chunk_gated_delta_rule)  # (tessera.parallel.cp.StatePassing) to run on its chunks
 
     def __init__(self, dk: int, dv: int):
         super().__init__()
@@ -205,14 +207,7 @@ class DeltaRule(nn.Module):
         if cache is not None:
             past = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=1)
             cache.conv.copy_(past[:, past.shape[1] - cache.conv.shape[1]:])
-        q, k, v = conv.split([len(t) for t in taps], dim=-1)
-        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
-        v = v.unflatten(-1, (-1, self.dv))
-        groups = v.shape[2] // q.shape[2]
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-        beta = b.float().sigmoid()
-        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        q, k, v, g, beta = self.gates(conv, [len(t) for t in taps], a, b, a_log, dt_bias)
         state = cache.state if cache is not None else None
         if fla:
             out, final = _fla_gated_delta_rule(q, k, v.float(), g, beta, state, documents)
@@ -224,6 +219,20 @@ class DeltaRule(nn.Module):
             cache.state.copy_(final)
             cache.length += seq
         return out
+
+    def gates(self, conv: torch.Tensor, sizes: list[int], a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The convolved q, k, v (channels of `sizes`) -> q, k (L2-normed, one per value head), v per head, the log
+        decay g and beta, the delta rule's inputs."""
+        q, k, v = conv.split(sizes, dim=-1)
+        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
+        v = v.unflatten(-1, (-1, self.dv))
+        groups = v.shape[2] // q.shape[2]
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        beta = b.float().sigmoid()
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        return q, k, v, g, beta
 
 
 class GatedDeltaNet(nn.Module):

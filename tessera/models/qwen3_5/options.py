@@ -36,18 +36,22 @@ def apply_options(model, options, device, rank0: bool) -> None:
 
 
 def check(cfg, args, dims, section: str = "qwen3_5") -> None:
-    """The section's options; and context parallelism: the DeltaNet recurrence runs along each head's whole
-    sequence, so only Ulysses (whole sequences of a head group per rank) splits it, by whole key heads."""
+    """The section's options; and context parallelism: Ulysses splits the DeltaNet recurrence by whole key heads;
+    all-gather CP runs it by state passing (each rank its chunks, tessera.parallel.cp.StatePassing), unbounded by
+    heads."""
     options = getattr(cfg, section)
     label, method = f"{cfg.model.name} {cfg.model.flavor or 'model'}", cfg.parallelism.context_parallel_method
-    if dims.cp > 1 and method != "ulysses":
-        raise ValueError(f"parallelism.context_parallel_method: {method} would leave each rank a part of the sequence "
-                         f"that {label}'s Gated DeltaNet recurrence runs along; use ulysses (each rank runs whole "
-                         f"sequences of a group of heads)")
     ranks = dims.tp * dims.cp
-    if dims.cp > 1 and args.linear_k_heads % ranks:
+    piece = cfg.training.seq_len // (2 * dims.cp)
+    if dims.cp > 1 and method != "ulysses" and piece < args.conv_kernel - 1:
+        raise ValueError(f"parallelism.context_parallel_degree: all-gather CP {dims.cp} cuts each sequence into "
+                         f"{2 * dims.cp} chunks of {piece} tokens, and {label}'s DeltaNet convolution reads the "
+                         f"{args.conv_kernel - 1} before each token from the chunk before; lengthen training.seq_len "
+                         f"or lower the CP degree")
+    if dims.cp > 1 and method == "ulysses" and args.linear_k_heads % ranks:
         raise ValueError(f"parallelism.context_parallel_degree: ulysses splits {label}'s {args.linear_k_heads} "
                          f"DeltaNet key heads over TP {dims.tp} x CP {dims.cp} = {ranks} ranks, which do not divide "
-                         f"them; use a CP degree dividing the {args.linear_k_heads // dims.tp} key heads per TP rank")
+                         f"them; use a CP degree dividing the {args.linear_k_heads // dims.tp} key heads per TP "
+                         f"rank, or context_parallel_method = \"allgather\" (the DeltaNet layers by state passing)")
     if options.kernel == "fla" and importlib.util.find_spec("fla") is None:
         raise ValueError(f"{section}.kernel: fla is not installed; pip install 'tessera[fla]' (CUDA), or use auto")
