@@ -1,7 +1,10 @@
 """Context parallel on long sequences: all-gather vs Ulysses at CP 1, 2, 4, side by side in one run.
 
-    python benchmarks/bench_cp.py [--flavor debugmodel] [--seq_lens 2048,4096,8192,16384] [--steps 2]
-        [--degrees 1,2,4] [--methods allgather,ulysses] [--out benchmarks/results/cp.json]
+    python benchmarks/bench_cp.py [--model llama3] [--flavor debugmodel] [--seq_lens 2048,4096,8192,16384]
+        [--steps 2] [--degrees 1,2,4] [--methods allgather,ulysses] [--out benchmarks/results/cp.json]
+
+With `--model qwen3_5` (Gated DeltaNet hybrid: 3 of 4 blocks DeltaNet) all-gather CP runs the DeltaNet blocks by
+state passing and Ulysses by head groups, so the two methods of linear attention are side by side.
 
 Each (sequence length, degree, method) is one torchrun job of CP ranks (one thread each on CPU) training one
 sequence per step. Per rank it reports tokens/s of the job, the peak bytes of tensors a training step keeps alive
@@ -65,7 +68,7 @@ def worker(a) -> None:
 
     ranks = world_size_from_env()
     with tempfile.TemporaryDirectory() as dump:
-        cfg = parse_args(["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
+        cfg = parse_args(["--model.name", a.model, "--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
                           "--training.local_batch_size", "1", "--training.steps", str(a.steps + 2),
                           "--parallelism.context_parallel_degree", str(ranks),
                           "--parallelism.context_parallel_method", a.method,
@@ -85,8 +88,10 @@ def worker(a) -> None:
         def leave(*_):
             counter.__exit__(None, None, None)
 
-        hooks = [h for block in tr.step_parts.model.layers.values() for h in (
-            block.attention.sdpa.register_forward_pre_hook(enter), block.attention.sdpa.register_forward_hook(leave))]
+        kernels = [getattr(block.attention, "sdpa", None) or block.attention.rule  # attention's, or DeltaNet's
+                   for block in tr.step_parts.model.layers.values()]
+        hooks = [h for kernel in kernels for h in (kernel.register_forward_pre_hook(enter),
+                                                    kernel.register_forward_hook(leave))]
         with LiveBytes() as meter:
             train_step(tr)
         for hook in hooks:
@@ -106,7 +111,7 @@ def run(degree: int, method: str, seq_len: int, a) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}",
-               __file__, "--worker", str(out), "--flavor", a.flavor, "--seq_len", str(seq_len),
+               __file__, "--worker", str(out), "--model", a.model, "--flavor", a.flavor, "--seq_len", str(seq_len),
                "--steps", str(a.steps), "--method", method]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -117,6 +122,7 @@ def run(degree: int, method: str, seq_len: int, a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3", help="model.name (qwen3_5: the Gated DeltaNet hybrid)")
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--seq_lens", default="2048,4096,8192,16384")
     p.add_argument("--steps", type=int, default=2)
@@ -131,7 +137,7 @@ def main() -> None:
     if a.worker:
         return worker(a)
     results = []
-    print(f"{a.flavor}, 1 sequence per step, 1 thread per rank; memory and bytes sent per rank")
+    print(f"{a.model} {a.flavor}, 1 sequence per step, 1 thread per rank; memory and bytes sent per rank")
     print(f"{'seq':>6} {'CP':>3} {'method':>10} {'tokens/s':>9} {'speed-up':>9} {'step memory GiB':>16} "
           f"{'vs CP 1':>8} {'sent MiB/step':>14} {'process peak GiB':>17}")
     lengths = [a.seq_len] if a.seq_len else [int(s) for s in a.seq_lens.split(",")]
@@ -146,7 +152,7 @@ def main() -> None:
                       f"{r['speedup']:>8.2f}x {r['live_gib']:>16.3f} {r['memory_ratio']:>7.2f}x "
                       f"{r['sent_gib'] * 1024:>14.2f} {r['peak_gib']:>17.3f}", flush=True)
                 results.append(r)
-    write_json(a.out, {"flavor": a.flavor, "seq_len": lengths[0], "results": results})
+    write_json(a.out, {"model": a.model, "flavor": a.flavor, "seq_len": lengths[0], "results": results})
 
 
 if __name__ == "__main__":
