@@ -27,8 +27,8 @@ from common import layer_device, smoke_option, write_json  # noqa: E402
 def _layers(a, device, dtype):
     import torch
 
-    from tessera.models.deepseek.v3.args import DeepSeekV3Args
-    from tessera.models.deepseek.v3.model import MLA
+    from tessera.models.deepseek.args import DeepSeekV3Args
+    from tessera.models.deepseek.mla import MLA
 
     args = DeepSeekV3Args(dim=a.dim, n_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
                           qk_rope_head_dim=32, v_head_dim=64)

@@ -22,7 +22,7 @@ from tessera.schema import parse_args
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name, flavor", [("qwen3_5", "9B"), ("qwen3_5_moe", "35B-A3B")])
-def test_deltanet_flops_per_token_do_not_grow_with_the_sequence(name, flavor):
+def test_linear_flops_per_token_do_not_grow_with_the_sequence(name, flavor):
     """Only the full-attention blocks' FLOPs per token grow with the sequence (12 heads x head_dim per token of
     context each); DeltaNet blocks cost the same per token at any length, and more than their projections."""
     fam = family(name)

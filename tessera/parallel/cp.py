@@ -296,12 +296,13 @@ class StatePassing(nn.Module):
         outs = []
         for chunk, out in zip(chunk_ids(self.cp_rank, self.cp), pieces, strict=True):
             state = out.new_zeros(*every.shape[2:-1], dv)
-            for before in range(chunk):  # the chunks before this one, in order
-                end = every[_owner(before, self.cp)]
-                state = end[..., dv:] @ state + end[..., :dv]
-            if whole is not None and chunk:  # a document starting with this chunk starts from nothing
-                fresh = whole[:, chunk * half] != whole[:, chunk * half - 1]
-                state = state * (~fresh).to(state.dtype)[:, None, None, None]
+            for before in range(chunk + 1):  # the chunks before this one, in order, then its own start
+                if whole is not None and before:  # a document starting with a chunk starts from nothing (its map
+                    fresh = whole[:, before * half] != whole[:, before * half - 1]  # reads what came before)
+                    state = state * (~fresh).to(state.dtype)[:, None, None, None]
+                if before < chunk:
+                    end = every[_owner(before, self.cp)]
+                    state = end[..., dv:] @ state + end[..., :dv]
             reads = out[..., dv:].transpose(1, 2) @ state  # [batch, heads, seq, dv]
             outs.append(out[..., :dv] + reads.transpose(1, 2).to(out.dtype))
         return torch.cat(outs, dim=1).to(v.dtype)

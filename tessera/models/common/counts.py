@@ -2,6 +2,8 @@
 
 from tessera.models.contract import Counts
 
+CHUNK = 64  # the chunked linear-attention rule's default chunk, for its FLOPs
+
 
 def decoder_counts(args, seq_len: int) -> Counts:
     """Training FLOPs per token: 6 per weight a token meets (forward 2, backward 4), plus attention scores and
@@ -33,3 +35,23 @@ def check_decoder_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     if pp > 1 and args.tie_embeddings:
         raise ValueError(f"parallelism.pipeline_parallel_degree: {label} ties its embeddings across the first and "
                          f"last stage, which pipelining does not support; use FSDP/TP instead")
+
+
+def linear_flops_per_token(a, chunk: int = CHUNK) -> float:
+    """Training FLOPs of one linear-attention layer's recurrence per token (Gated DeltaNet, KDA; `a` names its
+    heads and sizes as linear_v_heads, linear_k_dim, linear_v_dim) (its projections are counted as weights):
+    per value head, the state's read, correction and write (3 dk dv) and the chunk's intra-chunk products
+    (chunk (2 dk + 2 dv)), 2 per multiply-add, times 3 for backward. Independent of the sequence's length."""
+    dk, dv = a.linear_k_dim, a.linear_v_dim
+    return 6 * a.linear_v_heads * (3 * dk * dv + chunk * (2 * dk + 2 * dv))
+
+
+def linear_act(a, chunk: int = CHUNK, channel_decay: bool = False) -> float:
+    """Elements (2-byte) a chunked linear-attention layer's forward keeps per token for backward, counted low (about
+    half of what a Gated DeltaNet layer traced at Qwen 3.5 35B-A3B's shape keeps): per value head, in fp32, the
+    state entering each chunk (dk dv / chunk a token); q, k, k * beta, the solved w, the decayed q and k (dk each);
+    v, the solved u, the corrections (dv each); the chunk's decay, attention and triangular system rows (chunk
+    each). `channel_decay` (KDA's torch path): the decay between each pair of the chunk's tokens per key channel,
+    chunk dk more."""
+    dk, dv = a.linear_k_dim, a.linear_v_dim
+    return 2 * a.linear_v_heads * (dk * dv / chunk + 6 * dk + 3 * dv + 3 * chunk + (chunk * dk if channel_decay else 0))

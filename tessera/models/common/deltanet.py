@@ -1,10 +1,11 @@
-"""Gated DeltaNet (Yang et al. 2024), the linear-attention mixer of Qwen 3.5 and Qwen3-Next: a short causal
-depthwise convolution over q, k and v, L2-normed q and k, and a matrix state S [k_dim, v_dim] per value head that
-each token decays by exp(g) and corrects towards its value by the delta rule,
+"""Gated DeltaNet (Yang et al. 2024), the linear-attention mixer of Qwen 3.5 and Qwen3-Next, and its rule with a
+decay per key channel, Kimi Delta Attention's (Kimi Linear): a short causal depthwise convolution over q, k and v,
+L2-normed q and k, and a matrix state S [k_dim, v_dim] per value head that each token decays by exp(g) (one g per
+head, or per key channel: diag(exp(g)) S) and corrects towards its value by the delta rule,
 
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t / sqrt(k_dim),
 
-then a gated RMSNorm (RMSNorm(o) * silu(z)) and the out-projection.
+then the mixer's gated RMSNorm and out-projection (Gated DeltaNet's here; KDA's in its family).
 
 Training runs the chunked form (the WY/UT representation): within a chunk of `chunk_size` tokens the updates are
 a few matmuls and one triangular solve, across chunks a scan carries S. It is plain torch, differentiable, any
@@ -13,13 +14,15 @@ installed (the `fla` extra; `kernel = "auto"`). Packed documents reset the state
 each document's first token, as if each ran alone. Decoding keeps the convolution's last inputs and S as its cache.
 """
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """Under TP a rank holds its heads' per-head parameters (Shard(0)); the math runs on them."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -52,12 +55,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            chunk_size: int = 64, state: torch.Tensor | None = None,
                            documents: torch.Tensor | None = None, scan=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k [batch, seq, heads, dk] (L2-normed; scaled here), v [batch, seq, heads, dv], g (log decay, <= 0) and
-    beta [batch, seq, heads]; `state` [batch, heads, dk, dv] (default 0); `documents` [batch, seq]: the state
-    resets at each document's first token. -> (out [batch, seq, heads, dv], final state), computed in fp32.
-    `scan`: the scan across chunks (default `delta_scan`; tessera.estimate traces one that allocates its bytes at
-    once)."""
+    """q, k [batch, seq, heads, dk] (L2-normed; scaled here), v [batch, seq, heads, dv], beta [batch, seq, heads],
+    g the log decay (<= 0): [batch, seq, heads] (Gated DeltaNet's, one per head) or [batch, seq, heads, dk] (Kimi
+    Delta Attention's, one per key channel: the state's rows decay apart); `state` [batch, heads, dk, dv] (default
+    0); `documents` [batch, seq]: the state resets at each document's first token. -> (out [batch, seq, heads, dv],
+    final state), computed in fp32. `scan`: the scan across chunks (default `delta_scan`; tessera.estimate traces
+    one that allocates its bytes at once)."""
     dtype, (bsz, seq, heads, dk), dv = v.dtype, k.shape, v.shape[-1]
+    channels = g.dim() == 4
     pad = (-seq) % chunk_size
     n = (seq + pad) // chunk_size
 
@@ -66,28 +71,35 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 4 else F.pad(x, (0, pad))
         return x.reshape(bsz, heads, n, chunk_size, *x.shape[3:])
 
-    q, k, v, g, beta = chunks(q * dk ** -0.5), chunks(k), chunks(v), chunks(g), chunks(beta)
-    cum = g.cumsum(-1)  # log decay from the chunk's start to each position, inclusive
-    last = cum[..., -1:]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # decay from j to i
+    q, k, v, beta = chunks(q * dk ** -0.5), chunks(k), chunks(v), chunks(beta)
+    cum = chunks(g if channels else g[..., None]).cumsum(-2)  # [b, h, n, c, dk or 1]: log decay from the chunk's
+    last = cum[..., -1:, :]  # start to each position, inclusive
+    mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()  # j <= i
     reads = cum.exp()  # how much of the state before the chunk each position still sees
     writes = (last - cum).exp()  # how much of each position's write survives to the chunk's end
-    carry = last.exp()  # of the state before the chunk, at its end
+    carry = last.squeeze(-2).exp()  # of the state before the chunk, at its end
     if documents is not None:
         docs = torch.cat([documents[:, :1], documents, documents[:, -1:].expand(-1, pad)], dim=1)
         prev, docs = docs[:, :-1].reshape(bsz, 1, n, chunk_size)[..., :1], docs[:, 1:].reshape(bsz, 1, n, chunk_size)
-        pair = pair * (docs[..., :, None] == docs[..., None, :])
-        reads = reads * (docs == prev)
-        writes = writes * (docs == docs[..., -1:])
+        mask = mask & (docs[..., :, None] == docs[..., None, :])
+        reads = reads * (docs == prev)[..., None]
+        writes = writes * (docs == docs[..., -1:])[..., None]
         carry = carry * (docs[..., -1:] == prev)
+    decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()
+
+    def decayed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """sum over channels of x_i y_j decayed from j to i, for j <= i in the same document (0 elsewhere)."""
+        if not channels:
+            return (x @ y.transpose(-1, -2)) * decay[..., 0]
+        return torch.einsum("...id,...jd,...ijd->...ij", x, y, decay)
+
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # (I + A) u = v_beta, (I + A) w = decayed k_beta, A strictly lower: the chunk's delta-rule updates solved at once
-    system = ((k_beta @ k.transpose(-1, -2)) * pair).tril(-1) + torch.eye(chunk_size, device=q.device)
+    system = decayed(k_beta, k).tril(-1) + torch.eye(chunk_size, device=q.device)
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * reads[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * pair
-    q_read, k_write = q * reads[..., None], k * writes[..., None]
+    w = torch.linalg.solve_triangular(system, k_beta * reads, upper=False, unitriangular=True)
+    attn = decayed(q, k)
+    q_read, k_write = q * reads, k * writes
     s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
     out, s = (scan or delta_scan)(u, w, q_read, attn, k_write, carry, s)
     out = out.reshape(bsz, heads, -1, dv)[:, :, :seq]
@@ -96,8 +108,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 def delta_scan(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, attn: torch.Tensor, k_write: torch.Tensor,
                carry: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan across chunks (all [batch, heads, chunks, chunk, ...]; `s` the state before the first): each
-    chunk reads the state, corrects it and carries it on. -> (out [batch, heads, chunks, chunk, dv], final state)"""
+    """The scan across chunks (all [batch, heads, chunks, chunk, ...], `carry` [batch, heads, chunks, dk or 1]; `s`
+    the state before the first): each chunk reads the state, corrects it and carries it on. -> (out [batch, heads,
+    chunks, chunk, dv], final state)"""
     outs = []
     # unbound once: indexing chunk i in the loop would make backward allocate a whole-size gradient per chunk
     for u_i, w_i, q_i, attn_i, k_i, carry_i in zip(*(x.unbind(2) for x in (u, w, q_read, attn, k_write, carry)),
@@ -113,34 +126,34 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same, a token at a time (decoding steps, and the oracle the chunked form is tested against)."""
     dtype, (bsz, seq, heads, dk), dv = v.dtype, k.shape, v.shape[-1]
-    q, k, v, g, beta = (x.float() for x in (q * dk ** -0.5, k, v, g, beta))
+    q, k, v, g, beta = (x.float() for x in (q * dk ** -0.5, k, v, g if g.dim() == 4 else g[..., None], beta))
     s = q.new_zeros(bsz, heads, dk, dv) if state is None else state.float()
     outs = []
     for t in range(seq):
-        decay = g[:, t].exp()
+        decay = g[:, t].exp()  # [batch, heads, dk or 1]
         if documents is not None and t:
-            decay = decay * (documents[:, t] == documents[:, t - 1])[:, None]
-        s = s * decay[..., None, None]
+            decay = decay * (documents[:, t] == documents[:, t - 1])[:, None, None]
+        s = s * decay[..., None]
         delta = (v[:, t] - (s * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
         s = s + k[:, t, ..., None] * delta[..., None, :]
         outs.append((s * q[:, t, ..., None]).sum(-2))
     return torch.stack(outs, dim=1).to(dtype), s
 
 
-def fla_available(device: torch.device) -> bool:
+def fla_available(device: torch.device, module: str = "fla.ops.gated_delta_rule") -> bool:
     if device.type != "cuda":
         return False
     try:
-        import fla.ops.gated_delta_rule  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, state, documents):
-    """fla's chunked kernel (Triton, CUDA). Packed documents: all rows' documents as one varlen batch."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-
+def _fla_delta_rule(module: str, kernel: str, q, k, v, g, beta, state, documents):
+    """fla's chunked kernel `kernel` of `module` (Triton, CUDA). Packed documents: all rows' documents as one varlen
+    batch."""
+    fla_chunk = getattr(importlib.import_module(module), kernel)
     if documents is None:
         return fla_chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state, output_final_state=True)
     bsz, seq = documents.shape
@@ -170,13 +183,14 @@ class DeltaHeads(nn.Module):
     """The parameters with a row per channel or value head (the convolution's taps, the decay's A and dt bias):
     one module, so tensor parallelism splits them by head (tessera.parallel.tp.ShardedByHead)."""
 
-    def __init__(self, key_dim: int, value_dim: int, v_heads: int, kernel: int):
+    def __init__(self, key_dim: int, value_dim: int, v_heads: int, kernel: int, dt_rows: int = 0):
+        """`dt_rows`: the dt bias's rows, one per value head by default (KDA's: one per key channel)."""
         super().__init__()
         self.conv_q = nn.Parameter(torch.empty(key_dim, kernel))
         self.conv_k = nn.Parameter(torch.empty(key_dim, kernel))
         self.conv_v = nn.Parameter(torch.empty(value_dim, kernel))
         self.A_log = nn.Parameter(torch.empty(v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(dt_rows or v_heads))
 
 
 class DeltaRule(nn.Module):
@@ -189,6 +203,7 @@ class DeltaRule(nn.Module):
     scan = staticmethod(delta_scan)
     conv = staticmethod(causal_conv)  # and its convolution and chunked rule, for a context-parallel wrapper
     chunked = staticmethod(chunk_gated_delta_rule)  # (tessera.parallel.cp.StatePassing) to run on its chunks
+    fla = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")  # fla's module and kernel of this rule
 
     def __init__(self, dk: int, dv: int):
         super().__init__()
@@ -210,7 +225,7 @@ class DeltaRule(nn.Module):
         q, k, v, g, beta = self.gates(conv, [len(t) for t in taps], a, b, a_log, dt_bias)
         state = cache.state if cache is not None else None
         if fla:
-            out, final = _fla_gated_delta_rule(q, k, v.float(), g, beta, state, documents)
+            out, final = _fla_delta_rule(*self.fla, q, k, v.float(), g, beta, state, documents)
         elif cache is not None and seq < chunk_size:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, documents)
         else:
@@ -235,13 +250,46 @@ class DeltaRule(nn.Module):
         return q, k, v, g, beta
 
 
-class GatedDeltaNet(nn.Module):
-    """The mixer: wq/wk/wv (then, in `rule`, the causal conv and the delta rule), wz (the output gate), wb (beta),
-    wa (the decay's input), `norm` (RMSNorm over each head's value dim, weight 1-centred as the gate's) and wo.
-    Value heads are a multiple of key heads; each q/k head serves v_heads / k_heads consecutive value heads."""
+class ChannelGatedRule(DeltaRule):
+    """Kimi Delta Attention's rule (Kimi Linear): the gated delta rule with a decay per key channel, not per head,
+    g = -exp(A_log) softplus(f + dt_bias) with f [batch, seq, heads x dk] (its low-rank projection) and dt_bias per
+    channel; q, k and v have the same heads. Its inputs and parameters split by head as DeltaRule's, so TP and both
+    kinds of CP run it alike."""
+
+    fla = ("fla.ops.kda", "chunk_kda")
+
+    def gates(self, conv: torch.Tensor, sizes: list[int], a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = conv.split(sizes, dim=-1)
+        q, k = l2norm(q.unflatten(-1, (-1, self.dk)).float()), l2norm(k.unflatten(-1, (-1, self.dk)).float())
+        rate = a_log.float().exp()[:, None]  # [heads, 1]
+        g = -rate * F.softplus((a.float() + dt_bias.float()).unflatten(-1, (-1, self.dk)))
+        return q, k, v.unflatten(-1, (-1, self.dv)), g, b.float().sigmoid()
+
+
+class LinearMixer(nn.Module):
+    """What a linear-attention mixer (Gated DeltaNet, KDA) computes with, set from its family's options
+    (tessera.models.common.linear_options)."""
 
     chunk_size = 64  # the chunked form's block of tokens (the family's option sets it)
     kernel = "auto"  # auto: fla on CUDA when installed, else torch; torch; fla
+    label = "Gated DeltaNet"  # its name in the line saying which kernel runs
+    fla_module = DeltaRule.fla[0]  # its rule's fla module (the rule itself may be wrapped by context parallelism)
+
+    def uses_fla(self, device: torch.device) -> bool:
+        return self.kernel != "torch" and fla_available(device, self.fla_module)
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device=None) -> DeltaNetCache:
+        """Its decoding state (a mixer has `heads`, a DeltaHeads, `conv_kernel`, `dk` and `dv`)."""
+        channels = sum(t.shape[0] for t in (self.heads.conv_q, self.heads.conv_k, self.heads.conv_v))
+        return DeltaNetCache(batch, self.conv_kernel, channels, self.heads.A_log.shape[0], self.dk, self.dv, dtype,
+                             device)
+
+
+class GatedDeltaNet(LinearMixer):
+    """The mixer: wq/wk/wv (then, in `rule`, the causal conv and the delta rule), wz (the output gate), wb (beta),
+    wa (the decay's input), `norm` (RMSNorm over each head's value dim, weight 1-centred as the gate's) and wo.
+    Value heads are a multiple of key heads; each q/k head serves v_heads / k_heads consecutive value heads."""
 
     def __init__(self, dim: int, k_heads: int, v_heads: int, dk: int, dv: int, conv_kernel: int, eps: float):
         super().__init__()
@@ -257,22 +305,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.RMSNorm(dv, eps=eps)
         self.wo = nn.Linear(v_heads * dv, dim, bias=False)
 
-    def uses_fla(self, device: torch.device) -> bool:
-        return self.kernel != "torch" and fla_available(device)
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: DeltaNetCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """x [batch, seq, dim]; `rope` is not used (the signature is attention's); `cache`: the state after the
         earlier positions, updated; `documents` [batch, seq]: the state resets where the document changes."""
         h = self.heads
-        heads = [_local(t) for t in (h.conv_q, h.conv_k, h.conv_v, h.A_log, h.dt_bias)]
+        heads = [local(t) for t in (h.conv_q, h.conv_k, h.conv_v, h.A_log, h.dt_bias)]
         inputs = [self.wq(x), self.wk(x), self.wv(x), self.wa(x), self.wb(x)]
         out = self.rule(inputs, heads, documents, cache, chunk_size=self.chunk_size, fla=self.uses_fla(x.device))
         z = self.wz(x).unflatten(-1, (-1, self.dv))
         out = self.norm(out.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
         return self.wo(out.flatten(2))
-
-    def new_cache(self, batch: int, dtype: torch.dtype, device=None) -> DeltaNetCache:
-        channels = sum(t.shape[0] for t in (self.heads.conv_q, self.heads.conv_k, self.heads.conv_v))
-        return DeltaNetCache(batch, self.conv_kernel, channels, self.heads.A_log.shape[0], self.dk, self.dv, dtype,
-                             device)

@@ -1,10 +1,8 @@
 """Parameter and FLOP counts of Qwen 3.5's hybrid decoder (tessera/models/qwen3_5/model.py), and what
 its layouts need. Torch-free."""
 
-from tessera.models.common.counts import check_decoder_layout
+from tessera.models.common.counts import check_decoder_layout, linear_act, linear_flops_per_token
 from tessera.models.contract import Counts
-
-CHUNK = 64  # the chunked DeltaNet's default chunk, for its FLOPs
 
 
 def deltanet_params(a) -> int:
@@ -15,23 +13,6 @@ def deltanet_params(a) -> int:
 
 def attention_params(a) -> int:
     return a.dim * a.head_dim * (3 * a.n_heads + 2 * a.n_kv_heads) + 2 * a.head_dim
-
-
-def deltanet_flops_per_token(a, chunk: int = CHUNK) -> float:
-    """Training FLOPs of one DeltaNet layer's recurrence per token (its projections are counted as weights):
-    per value head, the state's read, correction and write (3 dk dv) and the chunk's intra-chunk products
-    (chunk (2 dk + 2 dv)), 2 per multiply-add, times 3 for backward. Independent of the sequence's length."""
-    dk, dv = a.linear_k_dim, a.linear_v_dim
-    return 6 * a.linear_v_heads * (3 * dk * dv + chunk * (2 * dk + 2 * dv))
-
-
-def deltanet_act(a, chunk: int = CHUNK) -> float:
-    """Elements (2-byte) the chunked DeltaNet's forward keeps per token for backward, counted low (about half of what
-    a layer traced at 35B-A3B's shape keeps): per value head, in fp32, the state entering each chunk (dk dv / chunk
-    a token); q, k, k * beta, the solved w, the decayed q and k (dk each); v, the solved u, the corrections (dv
-    each); the chunk's decay, attention and triangular system rows (chunk each)."""
-    dk, dv = a.linear_k_dim, a.linear_v_dim
-    return 2 * a.linear_v_heads * (dk * dv / chunk + 6 * dk + 3 * dv + 3 * chunk)
 
 
 def moe_ffn(args) -> tuple[int, int]:
@@ -54,9 +35,9 @@ def hybrid_counts(args, seq_len: int, ffn_params: int, ffn_active: int) -> Count
     common = table + embedding + args.dim + mixers + args.n_layers * 2 * args.dim
     params, active = common + ffn_params, common + ffn_active
     flops = 6 * (active - embedding) + 12 * full * args.n_heads * args.head_dim * seq_len \
-        + linear * deltanet_flops_per_token(args)
+        + linear * linear_flops_per_token(args)
     return Counts(params=params, active=active, embedding=embedding, flops_per_token=flops,
-                  extra_act=linear * deltanet_act(args) / args.n_layers)
+                  extra_act=linear * linear_act(args) / args.n_layers)
 
 
 def check_hybrid_layout(args, tp: int, cp: int, pp: int, label: str) -> None:

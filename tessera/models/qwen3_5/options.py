@@ -1,57 +1,11 @@
-"""Qwen 3.5's own options (the [qwen3_5] and [qwen3_5_moe] sections): how the Gated DeltaNet layers compute."""
+"""Qwen 3.5's own options (the [qwen3_5], [qwen3_5_moe] and [qwen3_next] sections): how the Gated DeltaNet layers
+compute (tessera.models.common.linear_options)."""
 
-import importlib.util
-import logging
-from dataclasses import dataclass
+from tessera.models.common import linear_options
+from tessera.models.common.linear_options import LinearAttentionOptions as Qwen35Options, apply_options
 
-from tessera.config.sections import opt
-
-
-@dataclass
-class Qwen35Options:
-    chunk_size: int = opt(64, "tokens per chunk of the chunked Gated DeltaNet (torch path): within a chunk the "
-                          "delta-rule updates are matmuls and one triangular solve, across chunks a scan; larger "
-                          "chunks do more parallel work and fewer sequential steps (fla's kernels fix their own)",
-                          min=1)
-    kernel: str = opt("auto", "the Gated DeltaNet's kernel: auto (fla's on CUDA when flash-linear-attention is "
-                      "installed, else the chunked torch one), torch, or fla (CUDA, needs the fla extra)",
-                      choices=("auto", "torch", "fla"))
-
-
-def apply_options(model, options, device, rank0: bool) -> None:
-    """Each DeltaNet layer computes as the options say; one line says which kernel runs."""
-    from tessera.models.common.deltanet import GatedDeltaNet
-
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    for module in layers:
-        module.chunk_size, module.kernel = options.chunk_size, options.kernel
-    if layers and options.kernel == "fla" and not layers[0].uses_fla(device):
-        raise ValueError(f"kernel = 'fla': fla's kernels run on CUDA with flash-linear-attention installed, not on "
-                         f"{device.type}; use auto or torch")
-    if layers and rank0:
-        fla = layers[0].uses_fla(device)
-        logging.getLogger("tessera").info(
-            f"Gated DeltaNet ({len(layers)} layers): " + ("fla's chunked kernels" if fla else
-                                                          f"the chunked torch path, {options.chunk_size} per chunk"))
+__all__ = ["Qwen35Options", "apply_options", "check"]
 
 
 def check(cfg, args, dims, section: str = "qwen3_5") -> None:
-    """The section's options; and context parallelism: Ulysses splits the DeltaNet recurrence by whole key heads;
-    all-gather CP runs it by state passing (each rank its chunks, tessera.parallel.cp.StatePassing), unbounded by
-    heads."""
-    options = getattr(cfg, section)
-    label, method = f"{cfg.model.name} {cfg.model.flavor or 'model'}", cfg.parallelism.context_parallel_method
-    ranks = dims.tp * dims.cp
-    piece = cfg.training.seq_len // (2 * dims.cp)
-    if dims.cp > 1 and method != "ulysses" and piece < args.conv_kernel - 1:
-        raise ValueError(f"parallelism.context_parallel_degree: all-gather CP {dims.cp} cuts each sequence into "
-                         f"{2 * dims.cp} chunks of {piece} tokens, and {label}'s DeltaNet convolution reads the "
-                         f"{args.conv_kernel - 1} before each token from the chunk before; lengthen training.seq_len "
-                         f"or lower the CP degree")
-    if dims.cp > 1 and method == "ulysses" and args.linear_k_heads % ranks:
-        raise ValueError(f"parallelism.context_parallel_degree: ulysses splits {label}'s {args.linear_k_heads} "
-                         f"DeltaNet key heads over TP {dims.tp} x CP {dims.cp} = {ranks} ranks, which do not divide "
-                         f"them; use a CP degree dividing the {args.linear_k_heads // dims.tp} key heads per TP "
-                         f"rank, or context_parallel_method = \"allgather\" (the DeltaNet layers by state passing)")
-    if options.kernel == "fla" and importlib.util.find_spec("fla") is None:
-        raise ValueError(f"{section}.kernel: fla is not installed; pip install 'tessera[fla]' (CUDA), or use auto")
+    linear_options.check(cfg, dims, section, args.conv_kernel, args.linear_k_heads, "DeltaNet")

@@ -1,114 +1,17 @@
-"""Multi-head latent attention (DeepSeek V2/V3) and the decoder built with it: queries from an optional low-rank
-bottleneck, keys and values expanded per head from one normed latent, and RoPE on a slice of each head whose key
-is shared by all heads. Values have a head size of their own."""
-
-import math
+"""DeepSeek V3's decoder: blocks of multi-head latent attention (tessera/models/deepseek/mla.py) and DeepSeek MoE,
+and multi-token prediction depths that train beside it."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.common.attention import CausalSDPA, KVCache, allowed
+from tessera.models.common.attention import KVCache
 from tessera.models.common.decoder import Decoder, TransformerBlock
-from tessera.models.common.rope import apply_rope, rope_rows
 from tessera.models.common.side_loss import Lookahead, SideLoss
 from tessera.models.deepseek import dsa
+from tessera.models.deepseek.mla import MLA
 
 IGNORE = -100  # the label of a position that is not trained (tessera.data.masks's)
-
-
-def _softmax_scale(args) -> float:
-    """head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 for a long-context (scaled) RoPE."""
-    scale, yarn = args.head_dim ** -0.5, args.rope_scaling or {}
-    if yarn.get("mscale_all_dim") and yarn.get("factor", 1) > 1:
-        scale *= (0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0) ** 2
-    return scale
-
-
-class MLA(nn.Module):
-    def __init__(self, args, layer_id: int = 0):
-        super().__init__()
-        # _layer_id: which block this is (DSA's shared selections), no setting of its own (tessera.estimate traces
-        # blocks alike in all else as one kind)
-        a, self.args, self._layer_id = args, args, layer_id
-        q_out = a.n_heads * a.head_dim
-        if a.q_lora_rank:
-            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=1e-6)
-            self.wq_b = nn.Linear(a.q_lora_rank, q_out, bias=False)
-        else:
-            self.wq = nn.Linear(a.dim, q_out, bias=False)
-        self.wkv_a = nn.Linear(a.dim, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(a.kv_lora_rank, eps=1e-6)
-        self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
-        self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
-        self.sdpa = CausalSDPA(scale=_softmax_scale(a))
-        self.sparse, self.indexer = bool(a.index_topk), None
-        if self.sparse:  # V3.2: sparse attention over the keys its indexer picks, the indexer's loss beside it
-            if layer_id not in a.index_shared:  # else (GLM-5) those of the indexed block before it
-                self.indexer = dsa.Indexer(a)
-                self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
-            self.selections = dsa.Selections()  # the model shares one among its blocks
-            self.head_sum = dsa.HeadSum()
-            self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
-
-    def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
-            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-        return apply_rope(x, rope)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        a = self.args
-        bsz, seq, _ = x.shape
-        q_latent = self.q_norm(self.wq_a(x)) if a.q_lora_rank else None
-        q = self.wq_b(q_latent) if a.q_lora_rank else self.wq(x)
-        q = q.view(bsz, seq, -1, a.head_dim)  # -1 heads: under tensor parallelism a rank's share
-        q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        latent, k_rot = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, a.qk_nope_head_dim + a.v_head_dim)
-        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
-        start = cache.length if cache is not None else 0
-        positions = rope_rows(rope, start, seq)
-        q = torch.cat([q_nope, self._rope(q_rot, positions)], dim=-1)
-        k_rot = self._rope(k_rot.unsqueeze(2), positions).expand(-1, -1, k_nope.shape[2], -1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.sparse:
-            out = self._sparse(x, q_latent, positions, q, k, v, cache, documents)
-        else:
-            if cache is not None:
-                k, v = cache.update(k, v)
-            out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-    def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, cache: "dsa.IndexedCache | None", documents: torch.Tensor | None) -> torch.Tensor:
-        """DSA: the queries attend the indexer's top-k keys (every key during the dense warm-up); while training, the
-        indexer's KL loss to the attention's distribution is attached (its inputs detached: see dsa.py)."""
-        if self.training:
-            x, q_latent = x.detach(), q_latent.detach()
-        indexed = self.indexer is not None
-        if indexed:
-            self.selections.steps = self.indexer_loss.steps
-        logits = None
-        if indexed:
-            logits, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
-            if cache is not None:
-                cache.update_index(keys)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(q.shape[0], -1, -1)
-        if documents is not None:
-            mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
-        if indexed:
-            self.selections.masks[self._layer_id] = dsa.selected(logits, mask, self.args.index_topk)
-        if not (self.training and self.selections.steps < self.dense_warmup_steps):
-            mask = self.selections.masks[self._layer_id] if indexed else self.selections.before(self._layer_id)
-        out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
-        if self.training and indexed and self.indexer_loss.weight:
-            out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(probs.detach()), logits, mask))
-        return out
 
 
 class MLABlock(TransformerBlock):

@@ -1,9 +1,6 @@
 """DeepSeek V3's parallelism plan: the shared decoder's, with MLA's attention under TP.
 
-TP splits MLA by heads: the query's (last) projection and the latent's expansion to per-head keys and values
-are column-wise, the output row-wise; the query bottleneck, the latent and their norms stay replicated and run
-on the gathered sequence. The rope key is one head that every rank's heads use, so each rank's gradient of it
-is partial: summed over TP where it leaves `wkv_a`. CP swaps the kernel, keeping MLA's score scale.
+TP splits MLA by heads (tessera/models/deepseek/plan.py). CP swaps the kernel, keeping MLA's score scale.
 
 The MTP depths (the last stage's) are FSDP units of their own. Each runs on the whole sequence (its slot i holds
 token i + k), so TP and CP split it like the trunk: its block takes the blocks' plan; its norms and its
@@ -16,27 +13,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.distributed import World
-from tessera.models.common.plan import NORMS, parallelize_decoder
+from tessera.models.common.plan import parallelize_decoder
+from tessera.models.deepseek.mla import MLA
+from tessera.models.deepseek.plan import mla_tp_plan
 from tessera.models.deepseek.v3 import FAMILY
-from tessera.models.deepseek.v3.model import MLA
 from tessera.models.deepseek.v3.options import DeepSeekV3Config
 from tessera.parallel.cp import ContextParallelLookahead
-from tessera.parallel.tp import Replicated, SummedOverRanks, attention_plan
-
-
-def mla_tp_plan(args):
-    """The blocks' plan; with sparse attention (DSA) a block's: its indexer replicated (each rank scores every key
-    for every query, the same top-k), the attention probabilities its loss is fitted to summed over the ranks'
-    heads."""
-    query = "wq_b" if args.q_lora_rank else "wq"
-    replicated = ("wq_a", "q_norm", "kv_norm") if args.q_lora_rank else ("kv_norm",)
-    plan = {**attention_plan("attention", (query, "wkv_b"), "wo", NORMS, local_input=True),
-            **{f"attention.{name}": Replicated() for name in replicated},
-            "attention.wkv_a": Replicated(sum_grad_columns=args.qk_rope_head_dim)}
-    if not args.index_topk:
-        return plan
-    return lambda block: {**plan, **({"attention.indexer": Replicated(), "attention.head_sum": SummedOverRanks()}
-                                     if block.attention.indexer is not None else {})}
 
 
 def mtp_depth_tp_plan() -> dict:
