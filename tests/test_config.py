@@ -447,6 +447,8 @@ BIG = {
     "qwen3_5_35b_a3b.toml": (16, ("parallelism.pipeline_parallel_degree",)),
     "kimi_k2.toml": (512, ("parallelism.tensor_parallel_degree", "parallelism.expert_parallel_degree")),
     "qwen3_next_80b_a3b.toml": (32, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
+    "kimi_linear_48b_a3b.toml": (16, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                                      "parallelism.expert_parallel_degree")),
 }
 
 

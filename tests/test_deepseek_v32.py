@@ -139,15 +139,29 @@ def test_settings_dsa_cannot_take_are_refused_in_one_line(argv, line):
         validate(parse_args(["--model.name", "deepseek_v3", *flavor, *argv]), 2)
 
 
-def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains():
+def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains(tmp_path, caplog):
     """One process, 4 steps: the indexer's KL loss in every logged step; 2 dense warm-up steps train another model
-    than none (the attention differs from step 1)."""
-    from tests.dist_worker import run_train
+    than none (the attention differs from step 1). Resuming with other [deepseek_v3] options applies them, one line
+    each."""
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+    from tests.dist_worker import BASE, run_train
+    from tests.launch import merge
 
-    v32 = ["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel", "--training.local_batch_size", "2"]
-    runs = [run_train([*v32, "--deepseek_v3.dense_warmup_steps", steps], 4) for steps in ("2", "0")]
+    v32 = ["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel", "--training.local_batch_size", "2",
+           "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.last_save_model_only=false"]
+    runs = [run_train([*v32, "--deepseek_v3.dense_warmup_steps", steps, "--checkpoint.enable", enable], 4)
+            for steps, enable in (("2", "true"), ("0", "false"))]
     assert all(h["indexer_loss"] > 0 for h in runs[0]["history"]) and len(runs[0]["history"]) == 4
     assert runs[0]["losses"][1] != runs[1]["losses"][1]
+    with caplog.at_level("WARNING", logger="tessera"):
+        run = validate(parse_args(merge(BASE, [*v32, "--training.steps", "8", "--deepseek_v3.dense_warmup_steps", "3",
+                                               "--deepseek_v3.indexer_loss_weight", "0.5"])), 1)
+    assert run.cfg.deepseek_v3.indexer_loss_weight == 0.5
+    at = f"in the checkpoint at {tmp_path}/checkpoint/step-4"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("deepseek_v3.")] == [
+        f"deepseek_v3.indexer_loss_weight: 1.0 {at}, 0.5 from here on",
+        f"deepseek_v3.dense_warmup_steps: 2 {at}, 3 from here on"]
 
 
 def test_fp8_release_style_weights_load_dequantized(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from tessera.models import family, hf_args, num_params
 from tessera.models.common.deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from tests.hf_parity import assert_round_trip, import_hf, initialized
+from tests.test_qwen3_5 import assert_chunked_equals_recurrence
 
 KIMI = family("kimi_linear")
 L, F = "linear_attention", "full_attention"
@@ -34,17 +35,8 @@ def test_the_channel_gated_rule_equals_its_recurrence_and_transformers_values_an
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 
     inputs = _kda_inputs(2, 37, 3, 8, 6)
-    documents = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 37])
+    assert_chunked_equals_recurrence(inputs, chunk)
     state = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(3))
-    for docs, start in ((None, state), (documents, None)):
-        want, want_state = recurrent_gated_delta_rule(*inputs, state=start, documents=docs)
-        got, got_state = chunk_gated_delta_rule(*inputs, chunk_size=chunk, state=start, documents=docs)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
-        weights = torch.randn_like(want)
-        grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (want, got)]
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     theirs, their_state = chunk_kimi_delta_attention(*inputs, chunk_size=16, initial_state=state,
                                                      output_final_state=True)
     ours, our_state = chunk_gated_delta_rule(*inputs, chunk_size=chunk, state=state)
@@ -52,6 +44,7 @@ def test_the_channel_gated_rule_equals_its_recurrence_and_transformers_values_an
     torch.testing.assert_close(our_state, their_state, rtol=1e-5, atol=1e-5)
     # the second document alone, from a zero state, is what the packed rows computed for it
     alone, _ = recurrent_gated_delta_rule(*(x[:1, 10:30] for x in inputs))
+    documents = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 37])
     packed, _ = chunk_gated_delta_rule(*inputs, chunk_size=chunk, documents=documents)
     torch.testing.assert_close(packed[:1, 10:30], alone, rtol=1e-5, atol=1e-5)
 
@@ -178,8 +171,6 @@ def test_cached_decoding_equals_the_uncached_path():
     (["--parallelism.context_parallel_degree", "8", "--training.seq_len", "32"], 8,
      "parallelism.context_parallel_degree: all-gather CP 8 cuts each sequence into 16 chunks of 2 tokens, and "
      "kimi_linear debugmodel's KDA convolution reads the 3 before each token"),
-    (["--optimizer.name", "Muon", "--optimizer.qk_clip_threshold", "100"], 1,
-     "optimizer.qk_clip_threshold"),
 ])
 def test_layouts_and_settings_it_cannot_take_are_refused_before_launch(argv, world, line):
     from tessera.config import ConfigError
@@ -241,3 +232,23 @@ def test_state_passing_equals_the_whole_sequence_where_documents_start_on_chunk_
 
     (errors,) = on_ranks(2, "tests.test_kimi_linear:state_passing_errors", [None], 0)
     assert len(errors) == 10 and max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.ranks
+def test_the_trainer_imports_and_exports_hf_sharded(tmp_path):
+    """TP 2 with EP 2: each rank reads and writes its shards of KDA's per-head parameters (A as [1, 1, heads, 1],
+    the convolutions [channels, 1, K], split by head) and of the experts, from a folder transformers saved; lr 0
+    keeps the weights, so the export equals the transformers model exactly."""
+    from transformers import KimiLinearForCausalLM
+
+    from tests.launch import run_dist
+
+    theirs = _theirs(tmp_path / "hf_in", **{**ODD["plain_query_first_dense"], "vocab_size": 300})
+    run_dist(2, tmp_path / "tp_ep", "--model.name", "kimi_linear", "--model.flavor=", "--training.steps", "1",
+             "--optimizer.lr", "0", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
+             "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.local_batch_size", "2",
+             "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+             "--moe.load_balance_rate", "0", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"))
+    exported = KimiLinearForCausalLM.from_pretrained(tmp_path / "tp_ep/checkpoint/exports/step-1")
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -31,28 +31,32 @@ def test_max_logits_are_the_largest_score_the_mask_lets_through():
         torch.testing.assert_close(max_logits(q, k, 0.3, window, chunk, docs), want)
 
 
-def _model(flavor: str):
-    fam = family("deepseek_v3")
+def _model(name: str, flavor: str):
+    fam = family(name)
     args = dataclasses.replace(fam.flavors[flavor], vocab_size=64, max_seq_len=32)
     return fam, args, initialized(fam, args).train()
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_v2"])  # query from a bottleneck (wq_b), or plain (wq)
-def test_heads_over_the_threshold_come_back_to_it_and_nothing_else_moves(flavor):
-    fam, args, model = _model(flavor)
+# query from a bottleneck (wq_b), or plain (wq); Kimi Linear's MLA blocks (1 and 3) turn no RoPE
+@pytest.mark.parametrize(("name", "flavor", "first_mla"), [("deepseek_v3", "debugmodel", "0"),
+                                                           ("deepseek_v3", "debugmodel_v2", "0"),
+                                                           ("kimi_linear", "debugmodel", "1")])
+def test_heads_over_the_threshold_come_back_to_it_and_nothing_else_moves(name, flavor, first_mla):
+    fam, args, model = _model(name, flavor)
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
-    first = model.layers["0"].attention
+    first = model.layers[first_mla].attention
+    mla_blocks = sum(hasattr(layer.attention, "sdpa") for layer in model.layers.values())
     probe = QKClip(first, fam.qk_clip(args), 1.0)  # records the first block alone
     model(tokens)
     before = probe.seen[0].clone()
     threshold = float(before.median())  # some heads over it, some under
     clip = QKClip(model, fam.qk_clip(args), threshold)
-    assert len(clip.attention) == args.n_layers
+    assert len(clip.attention) == mla_blocks
     kept = {n: p.clone() for n, p in first.named_parameters()}
     model(tokens)
     probe.reset()
     clip.after_step()
-    assert 1 <= int(clip.last[1]) < args.n_layers * args.n_heads  # heads clipped, over every block
+    assert 1 <= int(clip.last[1]) < mla_blocks * args.n_heads  # heads clipped, over every block
     model(tokens)
     torch.testing.assert_close(probe.seen[0], before.clamp(max=threshold), rtol=1e-5, atol=1e-6)
     nope, v = args.qk_nope_head_dim, args.v_head_dim
@@ -69,7 +73,7 @@ def test_heads_over_the_threshold_come_back_to_it_and_nothing_else_moves(flavor)
      "optimizer.qk_clip_threshold: QK-clip is MuonClip's (Muon's updates grow attention logits), and optimizer.name "
      "is AdamW"),
     (["--optimizer.name", "Muon"], "optimizer.qk_clip_threshold: llama3 says no way to scale its heads' query and key "
-                                   "projections (MLA's: deepseek_v3, Kimi K2); set it to 0"),
+                                   "projections (deepseek_v3, kimi_linear do); set it to 0"),
     (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--optimizer.name", "Muon",
       "--parallelism.context_parallel_degree", "2"], "optimizer.qk_clip_threshold: a head's largest logit takes each "
                                                      "query against every key, which context parallelism splits"),

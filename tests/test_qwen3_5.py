@@ -32,7 +32,12 @@ def _inputs(bsz: int, seq: int, heads: int, dk: int, dv: int, seed: int = 0):
 @pytest.mark.fast
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64])
 def test_chunked_delta_rule_equals_the_recurrence_values_and_gradients(chunk):
-    inputs = _inputs(2, 37, 3, 8, 6)
+    assert_chunked_equals_recurrence(_inputs(2, 37, 3, 8, 6), chunk)
+
+
+def assert_chunked_equals_recurrence(inputs: list[torch.Tensor], chunk: int) -> None:
+    """The chunked rule equals the token-by-token one, values, final state and gradients, from a given state and
+    on packed documents (inputs [2, 37, 3 heads, ...]: q, k of 8 dims, v of 6)."""
     documents = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 37])
     state = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(3))
     for docs, start in ((None, state), (documents, None)):

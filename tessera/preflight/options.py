@@ -213,8 +213,11 @@ def qk_clip(d: Draft) -> None:
         raise ConfigError(f"{what}: QK-clip is MuonClip's (Muon's updates grow attention logits), and optimizer.name "
                           f"is {cfg.optimizer.name}; set optimizer.name = \"Muon\" or {what} = 0")
     if d.family.qk_clip is None:
+        from tessera.models import FAMILIES, family
+
+        takes = ", ".join(name for name in FAMILIES if family(name).qk_clip is not None)
         raise ConfigError(f"{what}: {cfg.model.name} says no way to scale its heads' query and key projections "
-                          f"(MLA's: deepseek_v3, Kimi K2); set it to 0")
+                          f"({takes} do); set it to 0")
     if d.dims.cp > 1:
         raise ConfigError(f"{what}: a head's largest logit takes each query against every key, which context "
                           f"parallelism splits over ranks; not yet under CP (set it to 0 or "

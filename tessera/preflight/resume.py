@@ -32,6 +32,7 @@ def resume_point(d: Draft) -> None:
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_optimizer(cfg, path, d.resumed_config.get("optimizer", {}))
         _check_resumed_lora(cfg, path, d.resumed_config.get("lora", {}))
+        _check_resumed_family_options(cfg, path, d.resumed_config, d.family)
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
                               f"{path} reached; raise training.steps to extend the run, or pick another "
@@ -103,6 +104,19 @@ def _check_resumed_lora(cfg, path: str, saved: dict) -> None:
     for key in ("alpha", "dropout"):
         if ours["rank"] and ours[key] != theirs[key]:
             log.warning(f"lora.{key}: {theirs[key]} in the checkpoint at {path}, {ours[key]} from here on")
+
+
+def _check_resumed_family_options(cfg, path: str, saved: dict, family) -> None:
+    """The family's own options (its config section) apply as this run sets them; each one changed since the
+    checkpoint is said in one line."""
+    if family.options is None:
+        return
+    ours, defaults = dataclasses.asdict(getattr(cfg, family.name)), dataclasses.asdict(family.options())
+    theirs = saved.get(family.name, {})
+    for key, value in ours.items():
+        before = theirs.get(key, defaults[key])  # an older config without the option: its default
+        if value != before:
+            log.warning(f"{family.name}.{key}: {before!r} in the checkpoint at {path}, {value!r} from here on")
 
 
 def _check_resumed_optimizer(cfg, path: str, saved: dict) -> None:

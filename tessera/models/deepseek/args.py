@@ -71,3 +71,11 @@ class DeepSeekV3Args:
 
     def arch(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
+
+
+def mla_qk_clip(args) -> dict[str, tuple[tuple[int, float], ...]]:
+    """MLA's QK-clip (the Kimi K2 report): per head, the query's rows without RoPE and the keys' (from wkv_b) by
+    sqrt(gamma), the query's RoPE rows by gamma; the values' rows and the shared RoPE key untouched."""
+    query = "wq_b" if args.q_lora_rank else "wq"
+    return {query: ((args.qk_nope_head_dim, 0.5), (args.qk_rope_head_dim, 1.0)),
+            "wkv_b": ((args.qk_nope_head_dim, 0.5), (args.v_head_dim, 0.0))}

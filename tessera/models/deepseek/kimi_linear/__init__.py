@@ -4,6 +4,7 @@ key channel) and DeepSeek V3's MLA without RoPE, DeepSeek MoE after the first de
 
 from tessera.models.common.counts import check_decoder_layout, linear_act, linear_flops_per_token
 from tessera.models.contract import Counts, Family
+from tessera.models.deepseek.args import mla_qk_clip
 from tessera.models.deepseek.counts import counts as mla_counts, mla_params
 from tessera.models.deepseek.kimi_linear import hf
 from tessera.models.deepseek.kimi_linear.args import FLAVORS, TAKES_TOKENIZER_VOCAB
@@ -47,4 +48,5 @@ def param_role(name: str, shape: tuple[int, ...]) -> str | None:
 FAMILY = Family(name="kimi_linear", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router"), torch_side="tessera.models.deepseek.kimi_linear.spec:SPEC",
-                hf_model_type=hf.MODEL_TYPE, options=KimiLinearOptions, check=check, param_role=param_role)
+                hf_model_type=hf.MODEL_TYPE, options=KimiLinearOptions, check=check, param_role=param_role,
+                qk_clip=mla_qk_clip)

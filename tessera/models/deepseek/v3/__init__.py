@@ -3,19 +3,11 @@ routing, shared experts, dense first blocks), the shared decoder otherwise."""
 
 from tessera.models.common.counts import check_decoder_layout
 from tessera.models.contract import Family
+from tessera.models.deepseek.args import mla_qk_clip
 from tessera.models.deepseek.counts import counts
 from tessera.models.deepseek.v3 import hf
 from tessera.models.deepseek.v3.args import FLAVORS, TAKES_TOKENIZER_VOCAB
 from tessera.models.deepseek.v3.options import DeepSeekV3Options, check
-
-
-def qk_clip(args) -> dict[str, tuple[tuple[int, float], ...]]:
-    """MLA's QK-clip (the Kimi K2 report): per head, the query's rows without RoPE and the keys' (from wkv_b) by
-    sqrt(gamma), the query's RoPE rows by gamma; the values' rows and the shared RoPE key untouched."""
-    query = "wq_b" if args.q_lora_rank else "wq"
-    return {query: ((args.qk_nope_head_dim, 0.5), (args.qk_rope_head_dim, 1.0)),
-            "wkv_b": ((args.qk_nope_head_dim, 0.5), (args.v_head_dim, 0.0))}
-
 
 FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=frozenset(TAKES_TOKENIZER_VOCAB), hf=hf,
                 counts=counts, check_layout=check_decoder_layout, embedding="tok_embeddings.weight",
@@ -23,4 +15,4 @@ FAMILY = Family(name="deepseek_v3", flavors=FLAVORS, takes_tokenizer_vocab=froze
                 hf_model_type="deepseek_v3", hf_also_reads=hf.ALSO_READS, options=DeepSeekV3Options, check=check,
                 moved_options={"training.mtp_loss_weight": "mtp_loss_weight"},
                 metrics={"mtp_loss": "mtp", "indexer_loss": "idx"},
-                trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0, qk_clip=qk_clip)
+                trains_absent_parts=lambda cfg: cfg.deepseek_v3.mtp_loss_weight > 0, qk_clip=mla_qk_clip)
