@@ -76,3 +76,23 @@ def param_groups(model: nn.Module, cfg: Optimizer, role: Callable[[str, tuple[in
         out.append({"params": group["params"], "lr": cfg.lr * s.lr_multiplier, "weight_decay": s.weight_decay,
                     "muon": s.muon})
     return out
+
+
+class StepTrainable:
+    """What trains in each step, as the family's Family.trains_only says: after the backward, the other parameters'
+    gradients are dropped, so the optimizer leaves them as they are (no weight decay, no moments) and the grad norm
+    counts the rest. Dropped rather than frozen beforehand: FSDP's unsharded parameters keep the requires_grad they
+    were made with."""
+
+    def __init__(self, model, trains_only, cfg):
+        self.named, self.trains_only, self.cfg = list(model.named_parameters()), trains_only, cfg
+
+    def drop_frozen_grads(self, step: int) -> bool:
+        """Whether some parameters are frozen in this step (their gradients dropped)."""
+        parts = self.trains_only(self.cfg, step)
+        if parts is None:
+            return False
+        for name, p in self.named:
+            if not any(part in name for part in parts):
+                p.grad = None
+        return True

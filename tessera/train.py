@@ -106,6 +106,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
     loss_total = pp_share(loss_total, tr)
     if tr.replicas is not None:
         tr.replicas.average_gradients()
+    partial = tr.trainable is not None and tr.trainable.drop_frozen_grads(tr.progress.step)
     grad_norm = clip_grad_norm_(tr.step_parts.model.parameters(), tr.cfg.training.max_norm,
                                 pp_group=tr.step_parts.pipeline.group if tr.step_parts.pipeline else None)
     if tr.replicas is not None and not tr.replicas.commit():
@@ -123,7 +124,7 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
             tr.qk_clip.after_step()
         if tr.after_optimizer_step is not None:
             tr.after_optimizer_step()
-        if tr.balancer is not None:
+        if tr.balancer is not None and not partial:  # frozen routers: their selection bias too
             tr.balancer.after_step()
     tr.scheduler.step()
     return loss_total, grad_norm, data_s, trained

@@ -38,7 +38,7 @@ from tessera.parallel.compile import compile_loss
 from tessera.parallel.fsdp import mixed_precision
 from tessera.parallel.init import materialize
 from tessera.parallel.quantize import post_optimizer_hook
-from tessera.param_groups import param_role
+from tessera.param_groups import StepTrainable, param_role
 from tessera.qk_clip import QKClip
 from tessera.run_plan import Batch, ResolvedRun
 from tessera.step import LossScale, Pipeline, StepParts
@@ -75,6 +75,7 @@ class Trainer:
     live_bytes: LiveBytes | None = None  # metrics.live_memory: what counts the live bytes while training
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
     qk_clip: QKClip | None = None  # optimizer.qk_clip_threshold: MuonClip's QK-clip after each optimizer step
+    trainable: StepTrainable | None = None  # a family that trains only some parameters in some steps (trains_only)
 
 
 def run_view(tr: Trainer) -> RunView:
@@ -332,5 +333,6 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
                  progress=progress, evaluate=evaluate,
                  live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas,
-                 qk_clip=build_qk_clip(cfg, world, fam, args, model, pipeline))
+                 qk_clip=build_qk_clip(cfg, world, fam, args, model, pipeline),
+                 trainable=StepTrainable(model, fam.trains_only, cfg) if fam.trains_only else None)
     return tr

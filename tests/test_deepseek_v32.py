@@ -164,6 +164,38 @@ def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains(tmp_p
         f"deepseek_v3.dense_warmup_steps: 2 {at}, 3 from here on"]
 
 
+def test_an_indexer_only_warmup_trains_the_indexers_alone_then_everything(tmp_path):
+    """deepseek_v3.dense_warmup_trains = "indexer": in the 2 warm-up steps only the indexers change (the others keep
+    no gradient: no update, no weight decay, and the experts' selection bias stays); from step 3 all train. A flavor
+    without an indexer refuses it in one line."""
+    from tessera.config import ConfigError
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+    from tessera.train import train_step
+    from tests.dist_worker import BASE, _trainer, expert_biases, full_params
+    from tests.launch import merge
+
+    warmup = ["--model.name", "deepseek_v3", "--deepseek_v3.dense_warmup_steps", "2",
+              "--deepseek_v3.dense_warmup_trains", "indexer", "--moe.load_balance_rate", "1e-2"]
+    tr = _trainer([*warmup, "--model.flavor", "v32_debugmodel"], 5, str(tmp_path))  # lr > 0 in step 3
+    states = [(full_params(tr.step_parts.model), expert_biases(tr.step_parts.model))]
+    for _ in range(3):
+        train_step(tr)
+        tr.progress.step += 1
+        states.append((full_params(tr.step_parts.model), expert_biases(tr.step_parts.model)))
+    tr.metrics.close()
+    (start, biases), (warm, warm_biases), (third, third_biases) = states[0], states[2], states[3]
+    changed = {name for name, value in warm.items() if not torch.equal(value, start[name])}
+    indexers = {name for name in start if "indexer." in name}
+    assert changed == indexers and indexers
+    assert all(torch.equal(b, biases[n]) for n, b in warm_biases.items())
+    assert {name for name, value in third.items() if not torch.equal(value, warm[name])} - indexers >= {
+        "output.weight", "layers.1.attention.wkv_b.weight", "layers.2.feed_forward.experts.w1"}
+    assert any(not torch.equal(b, biases[n]) for n, b in third_biases.items())
+    with pytest.raises(ConfigError, match="^deepseek_v3.dense_warmup_trains: deepseek_v3 debugmodel has no indexer"):
+        validate(parse_args(merge(BASE, [*warmup, "--model.flavor", "debugmodel"])), 1)
+
+
 def test_fp8_release_style_weights_load_dequantized(tmp_path):
     """V3.2 released as V3 was: fp8 blocks with inverse scales (the indexer's projections among them); the logits
     equal transformers' on the same weights dequantized."""

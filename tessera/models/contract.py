@@ -160,6 +160,9 @@ class Family:
     qk_clip: Callable[[Any], Mapping[str, tuple[tuple[int, float], ...]]] | None = None  # (args) -> {projection of
     # an attention module (one holding a CausalSDPA `sdpa`): per head, its output rows as (rows, power of gamma)
     # segments}: how QK-clip (optimizer.qk_clip_threshold, tessera.qk_clip) scales a head; None: it takes none
+    trains_only: Callable[[Any, int], tuple[str, ...] | None] | None = None  # (cfg, step) -> the only parameters
+    # that train in that optimizer step (0-based), those whose names hold one of these; the others keep no gradient
+    # (no update, no weight decay, out of the grad norm); None: all. DeepSeek V3.2's indexer-only dense warm-up
     trains_absent_parts: Callable[[Any], bool] | None = None  # (cfg): whether the run trains parts that its
     # adapter's fit_to_weights may find absent from a Hugging Face folder (then they start freshly initialized)
 

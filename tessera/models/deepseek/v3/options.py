@@ -16,6 +16,10 @@ class DeepSeekV3Options:
                                      min=0.0)
     dense_warmup_steps: int = opt(0, "DeepSeek V3.2: the first steps attend every key (dense) while the indexer is "
                                   "fitted to them; sparse after (V3.2: 1000, from a V3.1 checkpoint)", min=0)
+    dense_warmup_trains: str = opt("all", "DeepSeek V3.2: what trains during the dense warm-up: all (the model on "
+                                   "its loss and the indexer on its own) or indexer (the indexers alone, the rest "
+                                   "kept as loaded, as the V3.2 report does from a V3.1 checkpoint)",
+                                   choices=("all", "indexer"))
 
 
 class DeepSeekV3Config(JobConfig):
@@ -27,10 +31,19 @@ class DeepSeekV3Config(JobConfig):
 def check(cfg: DeepSeekV3Config, args, dims) -> None:
     if getattr(args, "index_topk", 0):
         check_sparse(cfg, args, dims)
+    elif cfg.deepseek_v3.dense_warmup_trains == "indexer":
+        raise ValueError(f"deepseek_v3.dense_warmup_trains: {cfg.model.name} {cfg.model.flavor or 'model'} has no "
+                         f"indexer (sparse attention: index_topk); set it to \"all\"")
     if getattr(args, "n_mtp", 0) and cfg.deepseek_v3.mtp_loss_weight and dims.pp > 1 and (dims.tp > 1 or dims.cp > 1):
         raise ValueError("deepseek_v3.mtp_loss_weight: under pipelining the MTP depths take the first stage's "
                          "embeddings of whole sequences, which TP and CP ranks do not hold; with PP, use FSDP/EP "
                          "only, or set it to 0 (the depths stay in the model and its checkpoints, untrained)")
+
+
+def trains_only(cfg: DeepSeekV3Config, step: int) -> tuple[str, ...] | None:
+    """Family.trains_only: the indexers alone during an indexer-only dense warm-up."""
+    options = cfg.deepseek_v3
+    return ("indexer.",) if options.dense_warmup_trains == "indexer" and step < options.dense_warmup_steps else None
 
 
 def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
