@@ -3,8 +3,9 @@
     python benchmarks/bench_cp.py [--model llama3] [--flavor debugmodel] [--seq_lens 2048,4096,8192,16384]
         [--steps 2] [--degrees 1,2,4] [--methods allgather,ulysses] [--out benchmarks/results/cp.json]
 
-With `--model qwen3_5` (Gated DeltaNet hybrid: 3 of 4 blocks DeltaNet) all-gather CP runs the DeltaNet blocks by
-state passing and Ulysses by head groups, so the two methods of linear attention are side by side.
+With `--model qwen3_5` (Gated DeltaNet hybrid: 3 of 4 blocks DeltaNet) or `--model kimi_linear` (KDA hybrid) all-gather
+CP runs the linear-attention blocks by state passing and Ulysses by head groups, so the two methods of linear
+attention are side by side.
 
 Each (sequence length, degree, method) is one torchrun job of CP ranks (one thread each on CPU) training one
 sequence per step. Per rank it reports tokens/s of the job, the peak bytes of tensors a training step keeps alive
@@ -122,7 +123,7 @@ def run(degree: int, method: str, seq_len: int, a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3", help="model.name (qwen3_5: the Gated DeltaNet hybrid)")
+    p.add_argument("--model", default="llama3", help="model.name (qwen3_5, kimi_linear: linear-attention hybrids)")
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--seq_lens", default="2048,4096,8192,16384")
     p.add_argument("--steps", type=int, default=2)

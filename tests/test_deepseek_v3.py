@@ -369,6 +369,9 @@ def dequantized_copy(folder, out, block: int) -> dict:
 _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 
 
+_FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+
+
 def _kimi_linear_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: list, op_ac: list) -> dict:
     """Kimi Linear's layouts in the launch below: name -> (model and data, layout)."""
     docs = tmp_path / "short.jsonl"
@@ -383,8 +386,7 @@ def _kimi_linear_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: l
             "TP 2 x EP 2 x FSDP 2": (kimi, [batch, "4", *ep, *tp]),
             "state passing CP 2 x TP 2, documents": (packed, [batch, "8", *cp, *tp]),
             "Ulysses CP 2 x EP 2, documents": (packed, [batch, "4", *ulysses, *ep]),
-            "Float8 FSDP 4": ([*kimi, "--model.converters", "quantize.linear.float8",
-                               "--quantize.linear.float8.emulate"], [batch, "2"])}
+            "Float8 FSDP 4": ([*kimi, *_FLOAT8], [batch, "2"])}
 
 
 @pytest.mark.ranks
@@ -398,7 +400,8 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     on FP8 block-quantized weights (each rank dequantizing its own slices); V3.2's sparse attention (2 dense
     warm-up steps, then top-k) under EP 2 x FSDP 4 with selective op AC, PP 2 x EP 2 x FSDP and TP 2 x EP 2 x
     FSDP 2 (the indexer replicated, the attention it is fitted to summed over the ranks' heads), GLM-5's (a block
-    sharing the selection of the one before, read again when full AC recomputes it) under EP 2 x FSDP 4. And DeepSeek V3
+    sharing the selection of the one before, read again when full AC recomputes it) under EP 2 x FSDP 4, V3.2 with
+    Float8 linears (emulated; the indexer's too) under EP 2 x FSDP 4 within float8's rounding. And DeepSeek V3
     671B's layout in
     small: PP 2 x FSDP 2 in bf16 with an MTP depth kept untrained, whose losses stay within bf16's 2% of one
     fp32 process and whose depth is saved as initialized. Kimi Linear (KDA and NoPE MLA blocks, the same group):
@@ -426,17 +429,22 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     v32 = [*model, "--model.flavor", "v32_debugmodel", "--deepseek_v3.dense_warmup_steps", "2"]
     glm5 = [*model, "--model.flavor", "glm5_debugmodel", "--deepseek_v3.dense_warmup_steps", "2"]
     references = [one_process([*m, batch, "8"], 4)
-                  for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, v32, v32, v32, glm5, kept)]
+                  for m in (debug, debug, debug, debug, v2, mtp, yarn, fp8, v32, v32, v32, glm5, v32, kept)]
     cases = [[*debug, batch, "2"], [*debug, batch, "2", *ep], [*debug, batch, "4", *ep, *pp, *op_ac],
              [*debug, batch, "4", *ep, *tp], [*v2, batch, "4", *tp], [*mtp, batch, "2", *ep],
              [*yarn, batch, "4", *ep, *cp], [*fp8, batch, "2", *ep], [*v32, batch, "2", *ep, *op_ac],
              [*v32, batch, "4", *ep, *pp], [*v32, batch, "4", *ep, *tp], [*glm5, batch, "2", *ep, *full_ac],
+             [*v32, *_FLOAT8, batch, "2", *ep],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
     kimi = _kimi_linear_cases(tmp_path, batch, ep, pp, tp, cp, op_ac)
     results = run_cases(4, [*cases, *([*model, *layout] for model, layout in kimi.values())], 4)
-    *exact, bf16 = results[:len(cases)]
-    for got, reference in zip(exact, references[:-1], strict=True):
+    *exact, float8, bf16 = results[:len(cases)]
+    for got, reference in zip(exact, references[:-2], strict=True):
         assert_matches(got, reference, 1e-5, what=("grads", "params"))
+    # V3.2 under Float8: its rounding may flip a key in or out of a query's top-k once the warm-up ends, so within 5x
+    # the tolerance of dense models (still far below what a broken cast gives)
+    assert float8["losses"] != references[-2]["losses"] and all(
+        abs(a - b) < 5 * LOW_PRECISION_TOL for a, b in zip(float8["losses"], references[-2]["losses"], strict=True))
     assert_matches(bf16, references[-1], 2e-2, what=())
     high = one_process([*kimi["PP 2 x EP 2 x FSDP"][0], batch, "8"], 4)
     for (name, (model, _)), got in zip(kimi.items(), results[len(cases):], strict=True):
