@@ -119,9 +119,16 @@ def test_estimate_cli_json_table_and_one_line_errors(capsys):
 SHIPPED = {**{name: world for name, (world, _) in BIG.items()}, "llama3_8b.toml": 8, "llama3_8b_lora.toml": 1}
 
 
+# Shipped configs whose estimate traces for long: Kimi Linear 48B-A3B's KDA blocks are many small ops, each a DTensor
+# under its TP 2 (34 s here, a minute in CI beside another worker); TESSERA_SLOW=1 runs them too.
+SLOW_TO_TRACE = {"kimi_linear_48b_a3b.toml"}
+
+
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_config_fits_the_gpus_it_is_meant_for(name, tmp_path):
     """Each big config at its world size: its peak within 90% of an 80 GiB GPU (the rest is the allocator's)."""
+    if name in SLOW_TO_TRACE and not os.environ.get("TESSERA_SLOW"):
+        pytest.skip(f"{name}: its estimate traces for a minute; TESSERA_SLOW=1 runs it")
     world = SHIPPED[name]
     cfg = parse_args(["--job.config_file", str(ROOT / "configs" / name), "--model.hf_assets_path", "",
                       "--checkpoint.initial_load_path", "", "--checkpoint.initial_load_in_hf", "false"])  # no weights
