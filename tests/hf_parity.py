@@ -1,5 +1,5 @@
 """The HF round trip every family's test makes: logits after import and after export equal transformers', and
-greedy generation equals theirs."""
+greedy generation equals theirs; and the checks of decoding caches and launch-time refusals the families share."""
 
 import dataclasses
 
@@ -48,3 +48,27 @@ def assert_round_trip(theirs, ours, args, hf_class, folder, tmp_path, vocab_size
     prompt = [3, 17, 42, 5]
     want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert generate(model, prompt, 12) == want[0, len(prompt):].tolist()
+
+
+def assert_cached_decoding_equals_whole(model, vocab: int) -> None:
+    """A prefill then one token at a time through `model`'s decoding cache gives the logits of the whole sequence."""
+    tokens = torch.randint(0, vocab, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = model.new_cache(2, 30, torch.float32)
+        steps = [model(tokens[:, :11], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(11, 30)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+def assert_refused(name: str, argv: list[str], world: int, line: str) -> None:
+    """Family `name`'s debug model with `argv` on `world` ranks is refused before launch with `line`."""
+    import re
+
+    import pytest
+
+    from tessera.config import ConfigError
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+
+    with pytest.raises(ConfigError, match="^" + re.escape(line)):
+        validate(parse_args(["--model.name", name, "--model.flavor", "debugmodel", *argv]), world)

@@ -449,6 +449,8 @@ BIG = {
     "qwen3_next_80b_a3b.toml": (32, ("parallelism.pipeline_parallel_degree", "parallelism.expert_parallel_degree")),
     "kimi_linear_48b_a3b.toml": (16, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
                                       "parallelism.expert_parallel_degree")),
+    "deepseek_v4_flash.toml": (128, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                                     "parallelism.expert_parallel_degree")),
 }
 
 

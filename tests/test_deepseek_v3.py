@@ -290,9 +290,14 @@ def test_the_mtp_loss_leaves_out_the_targets_the_labels_mask():
     assert (model.mtp_loss.total - unmasked).abs() > 1e-3
 
 
-def _quantize_fp8(folder, block: int) -> None:
-    """Rewrite an HF folder's 2-D projection weights as float8_e4m3fn blocks with inverse scales, the way
-    DeepSeek V3's released checkpoints are stored (quantization_config fp8, weight_block_size)."""
+def _projection(name: str, w: torch.Tensor) -> bool:
+    return w.dim() == 2 and "proj" in name and "norm" not in name
+
+
+def _quantize_fp8(folder, block: int, quantized=_projection) -> None:
+    """Rewrite an HF folder's 2-D projection weights (those `quantized(name, tensor)`) as float8_e4m3fn blocks with
+    inverse scales, the way DeepSeek V3's released checkpoints are stored (quantization_config fp8,
+    weight_block_size)."""
     from safetensors.torch import load_file, save_file
 
     index = json.loads((folder / "model.safetensors.index.json").read_text()) \
@@ -303,7 +308,7 @@ def _quantize_fp8(folder, block: int) -> None:
         state, out = load_file(file), {}
         for name, w in state.items():
             out[name] = w
-            if w.dim() == 2 and "proj" in name and "norm" not in name:
+            if quantized(name, w):
                 rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
                 padded = torch.zeros(rows * block, cols * block)
                 padded[:w.shape[0], :w.shape[1]] = w
@@ -372,20 +377,28 @@ _KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 _FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
 
 
-def _kimi_linear_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: list, op_ac: list) -> dict:
-    """Kimi Linear's layouts in the launch below: name -> (model and data, layout)."""
+def _packed(tmp_path, model: list) -> list:
+    """`model` on short packed documents, block-causal."""
     docs = tmp_path / "short.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
+    return [*model, "--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
+            "block_causal"]
+
+
+def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: list, op_ac: list) -> dict:
+    """Kimi Linear's and DeepSeek V4's layouts in the launch below: name -> (model and data, layout)."""
     kimi = ["--model.name", "kimi_linear", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2",
             "--kimi_linear.chunk_size", "8"]
-    packed = [*kimi, "--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
-              "block_causal"]
+    v4 = ["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2"]
     ulysses = [*cp, "--parallelism.context_parallel_method", "ulysses"]
-    return {"EP 2 x FSDP 4, op AC": (kimi, [batch, "2", *ep, *op_ac]),
-            "PP 2 x EP 2 x FSDP": (kimi, [batch, "4", *ep, *pp]),
-            "TP 2 x EP 2 x FSDP 2": (kimi, [batch, "4", *ep, *tp]),
-            "state passing CP 2 x TP 2, documents": (packed, [batch, "8", *cp, *tp]),
-            "Ulysses CP 2 x EP 2, documents": (packed, [batch, "4", *ulysses, *ep])}
+    return {"Kimi Linear EP 2 x FSDP 4, op AC": (kimi, [batch, "2", *ep, *op_ac]),
+            "Kimi Linear PP 2 x EP 2 x FSDP": (kimi, [batch, "4", *ep, *pp]),
+            "Kimi Linear TP 2 x EP 2 x FSDP 2": (kimi, [batch, "4", *ep, *tp]),
+            "Kimi Linear state passing CP 2 x TP 2, documents": (_packed(tmp_path, kimi), [batch, "8", *cp, *tp]),
+            "Kimi Linear Ulysses CP 2 x EP 2, documents": (_packed(tmp_path, kimi), [batch, "4", *ulysses, *ep]),
+            "V4 EP 2 x FSDP 4, op AC": (v4, [batch, "2", *ep, *op_ac]),
+            "V4 PP 2 x EP 2 x FSDP": (v4, [batch, "4", *ep, *pp]),
+            "V4 TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *ep, *tp])}
 
 
 @pytest.mark.ranks
@@ -406,7 +419,10 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     fp32 process and whose depth is saved as initialized. Kimi Linear (KDA and NoPE MLA blocks, the same group):
     EP 2 x FSDP 4 under op AC, PP 2 x EP 2 x FSDP (each stage a KDA and an MLA block), TP 2 x EP 2 x FSDP 2 (KDA
     split by head), and on packed documents all-gather CP 2 x TP 2 (KDA by state passing) and Ulysses CP 2 x EP 2
-    (its losses, grad norms and step-1 gradients)."""
+    (its losses, grad norms and step-1 gradients). DeepSeek V4 (sliding, CSA and HCA blocks, mHC streams, a
+    hash-routed block): EP 2 x FSDP 4 under op AC, PP 2 x EP 2 x FSDP (the hash-routed block on the first stage), and
+    on packed documents TP 2 x EP 2 x FSDP 2 (query heads split, the key/value head, compressors and indexer whole,
+    hash routing's token ids cut like the tokens)."""
     from tests.launch import assert_matches, one_process, run_cases
     from tests.test_speed_features import LOW_PRECISION_TOL
 
@@ -434,7 +450,7 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
              [*v32, batch, "4", *ep, *pp], [*v32, batch, "4", *ep, *tp], [*glm5, batch, "2", *ep, *full_ac],
              [*v32, *_FLOAT8, batch, "2", *ep],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
-    kimi = _kimi_linear_cases(tmp_path, batch, ep, pp, tp, cp, op_ac)
+    kimi = _kimi_linear_and_v4_cases(tmp_path, batch, ep, pp, tp, cp, op_ac)
     results = run_cases(4, [*cases, *([*model, *layout] for model, layout in kimi.values())], 4)
     *exact, float8, bf16 = results[:len(cases)]
     for got, reference in zip(exact, references[:-2], strict=True):
@@ -446,9 +462,9 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     assert_matches(bf16, references[-1], 2e-2, what=())
     for (name, (model, _)), got in zip(kimi.items(), results[len(cases):], strict=True):
         try:  # final parameters left out: Adam's first step sign-normalizes gradients near 0 (1e-9 of a mean 5e-4
-            assert_matches(got, one_process([*model, batch, "8"], 4), 1e-5)  # in KDA's q), so float noise moves them
-        except AssertionError as e:
-            raise AssertionError(f"Kimi Linear {name}: {e}") from None
+            assert_matches(got, one_process([*model, batch, "8"], 4), 1e-5)  # in KDA's q, V4's mHC), so float
+        except AssertionError as e:  # noise moves them
+            raise AssertionError(f"{name}: {e}") from None
     depth = {name for name in references[-1]["params"] if name.startswith("mtp.")}
     assert depth and all(torch.equal(bf16["params"][n], references[-1]["params"][n]) for n in depth)
 

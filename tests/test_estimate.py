@@ -40,6 +40,9 @@ VALIDATION = [
                                  "--parallelism.context_parallel_method", "ulysses"]),
     ("Llama 3 PP 2 (1F1B, 4 micro-batches)", 2, [*DENSE, *PP]),
     ("Qwen 3 MoE EP 2 (FSDP 2)", 2, [*MOE, "--parallelism.expert_parallel_degree", "2"]),
+    ("DeepSeek V4 EP 2 (FSDP 2; sliding, CSA and HCA blocks, 2 streams)", 2,
+     ["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", *DENSE[2:], "--parallelism.expert_parallel_degree",
+      "2"]),
     ("DeepSeek V3 PP 2, 2 MTP depths trained (embeddings sent beside the hidden states)", 2,
      ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", *DENSE[2:], *PP]),
     ("Llama 3 FSDP 2 x PP 2 (Interleaved1F1B, 8 micro-batches), accumulation 2", 4,
@@ -120,8 +123,9 @@ SHIPPED = {**{name: world for name, (world, _) in BIG.items()}, "llama3_8b.toml"
 
 
 # Shipped configs whose estimate traces for long: Kimi Linear 48B-A3B's KDA blocks are many small ops, each a DTensor
-# under its TP 2 (34 s here, a minute in CI beside another worker); TESSERA_SLOW=1 runs them too.
-SLOW_TO_TRACE = {"kimi_linear_48b_a3b.toml"}
+# under its TP 2 (34 s here, a minute in CI beside another worker); DeepSeek V4's mHC, compressors and indexer too
+# (Flash: 45 s); TESSERA_SLOW=1 runs them too.
+SLOW_TO_TRACE = {"kimi_linear_48b_a3b.toml", "deepseek_v4_flash.toml", "deepseek_v4_pro.toml"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

@@ -31,7 +31,7 @@ SHORTER = ["--training.seq_len", "64"]
 FAMILIES = {"llama3": SHORTER, "qwen3": SHORTER, "qwen3_moe": SHORTER, "deepseek_v3": SHORTER, "gpt_oss": SHORTER,
             "llama4": SHORTER, "flux": ["--flux.sample_freq", "0"], "qwen3_5": SHORTER, "qwen3_5_moe": SHORTER,
             "qwen3_next": SHORTER, "deepseek_v32": [*SHORTER, "--deepseek_v3.dense_warmup_steps", "10"],
-            "kimi_linear": SHORTER}
+            "kimi_linear": SHORTER, "deepseek_v4": SHORTER}
 
 
 def curve(family: str, dump) -> list[float]:

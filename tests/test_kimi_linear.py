@@ -13,7 +13,13 @@ import torch
 
 from tessera.models import family, hf_args, num_params
 from tessera.models.common.deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
-from tests.hf_parity import assert_round_trip, import_hf, initialized
+from tests.hf_parity import (
+    assert_cached_decoding_equals_whole,
+    assert_refused,
+    assert_round_trip,
+    import_hf,
+    initialized,
+)
 from tests.test_qwen3_5 import assert_chunked_equals_recurrence
 
 KIMI = family("kimi_linear")
@@ -154,12 +160,7 @@ def test_cached_decoding_equals_the_uncached_path():
     for module in model.modules():
         if hasattr(module, "chunk_size"):
             module.chunk_size = 8
-    tokens = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        whole = model(tokens)
-        cache = model.new_cache(2, 30, torch.float32)
-        steps = [model(tokens[:, :11], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(11, 30)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    assert_cached_decoding_equals_whole(model, 60)
 
 
 @pytest.mark.fast
@@ -173,12 +174,7 @@ def test_cached_decoding_equals_the_uncached_path():
      "kimi_linear debugmodel's KDA convolution reads the 3 before each token"),
 ])
 def test_layouts_and_settings_it_cannot_take_are_refused_before_launch(argv, world, line):
-    from tessera.config import ConfigError
-    from tessera.preflight import validate
-    from tessera.schema import parse_args
-
-    with pytest.raises(ConfigError, match="^" + re.escape(line)):
-        validate(parse_args(["--model.name", "kimi_linear", "--model.flavor", "debugmodel", *argv]), world)
+    assert_refused("kimi_linear", argv, world, line)
     with pytest.raises(ValueError, match=r"4 does not divide the KDA heads \(6\) of odd"):
         KIMI.check_layout(dataclasses.replace(KIMI.flavors["debugmodel"], linear_heads=6), 4, 1, 1, "odd")
 

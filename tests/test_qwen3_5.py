@@ -14,7 +14,7 @@ from tessera.checkpoint.hf import load_hf
 from tessera.generate import generate
 from tessera.models import family, hf_args, num_params
 from tessera.models.common.deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from tests.hf_parity import assert_round_trip, initialized
+from tests.hf_parity import assert_cached_decoding_equals_whole, assert_round_trip, initialized
 
 DENSE, MOE = family("qwen3_5"), family("qwen3_5_moe")
 L, F = "linear_attention", "full_attention"
@@ -90,12 +90,7 @@ def test_cached_decoding_equals_the_uncached_path(fam):
     then one token at a time gives the logits of the whole sequence at once, and greedy generation agrees."""
     flavor = "tiny" if fam is DENSE else "debugmodel_moe"
     model = _random_model(fam, dataclasses.replace(fam.flavors[flavor], vocab_size=60, max_seq_len=40))
-    tokens = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        whole = model(tokens)
-        cache = model.new_cache(2, 30, torch.float32)
-        steps = [model(tokens[:, :11], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(11, 30)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    assert_cached_decoding_equals_whole(model, 60)
     prompt = [3, 17, 42, 5]
     assert generate(model, prompt, 10, use_cache=True) == generate(model, prompt, 10, use_cache=False)
 

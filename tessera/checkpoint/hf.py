@@ -76,16 +76,22 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     hf = models.family(family).hf
     names = bound(hf, args)
     # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
-    state = {k: v.to(dtype or v.dtype).contiguous() for k, v in names.to_hf(model_state).items()}
+    state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
+             for k, v in names.to_hf(model_state).items()}
+    # Integer tensors (DeepSeek V4's hash routing tables: buffers, whole on the ranks that hold them) go to a file
+    # of their own, which rank 0 writes: torch's consolidation of DCP's shards sizes floating-point tensors only.
+    integers = {k: v.cpu() for k, v in state.items() if not v.is_floating_point()}
+    state = {k: v for k, v in state.items() if k not in integers}
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # global sizes, also for DTensors
     if dist.is_initialized():  # the file index covers every rank's tensors (pipeline stages hold different ones)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sizes)
-        sizes = {k: v for part in gathered for k, v in part.items()}
+        dist.all_gather_object(gathered, (sizes, integers))
+        sizes = {k: v for part, _ in gathered for k, v in part.items()}
+        integers = {k: v for _, part in gathered for k, v in part.items()}
     out = Path(out_dir)
     if _rank0():  # stale shards or files of an earlier export would be merged into or read with this one
         shutil.rmtree(out / "sharded", ignore_errors=True)
-        for old in [*out.glob("model-*-of-*.safetensors"), out / INDEX]:
+        for old in [*out.glob("model-*-of-*.safetensors"), out / INDEX, out / INTEGERS, out / CARRIED]:
             old.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
     _barrier()
@@ -106,9 +112,24 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
             (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if diffusers:
             _rename_weights(out, hf.weights_name)
+        if integers:
+            _add_file(out, INTEGERS, integers)
         if carry_from:
             _carry(hf, Path(carry_from), out, dtype)
     _barrier()
+
+
+INTEGERS = "model-integers.safetensors"
+
+
+def _add_file(out: Path, name: str, tensors: dict) -> None:
+    """`tensors` in a safetensors file `name` of their own in `out`, entered in its index."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, out / name, metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 CARRIED = "model-carried.safetensors"
@@ -119,7 +140,6 @@ def _carry(hf, source: Path, out: Path, dtype: torch.dtype | None) -> None:
     releases hold (the adapter's `carried`: Qwen 3.5's MTP head), written unchanged beside the export's own, with
     the config.json keys that describe them; said in one line (they were not trained)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     what = getattr(hf, "carried", None)
     if what is None or not (source / "config.json").is_file():
@@ -135,11 +155,7 @@ def _carry(hf, source: Path, out: Path, dtype: torch.dtype | None) -> None:
             carried.update({n: fh.get_tensor(n) for n in fh.keys() if n.startswith(what.prefix)})
     if not carried:
         return
-    save_file({n: t.to(dtype or t.dtype).contiguous() for n, t in carried.items()}, out / CARRIED,
-              metadata={"format": "pt"})
-    index = json.loads((out / INDEX).read_text())
-    index["weight_map"].update(dict.fromkeys(carried, CARRIED))
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    _add_file(out, CARRIED, {n: t.to(dtype or t.dtype) for n, t in carried.items()})
     config = json.loads((out / "config.json").read_text())
     config.update({k: text[k] for k in what.config_keys if k in text})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

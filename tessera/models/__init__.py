@@ -10,11 +10,11 @@ import os
 from typing import NamedTuple
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "kimi_linear")
+            "qwen3_next", "kimi_linear", "deepseek_v4")
 # The folder (under tessera/models/) of each family in a group; any other family's is named as the family.
 IN_GROUPS = {"qwen3": "qwen3.dense", "qwen3_moe": "qwen3.moe", "deepseek_v3": "deepseek.v3",
              "qwen3_5": "qwen3_5.dense", "qwen3_5_moe": "qwen3_5.moe", "qwen3_next": "qwen3_5.next",
-             "kimi_linear": "deepseek.kimi_linear"}
+             "kimi_linear": "deepseek.kimi_linear", "deepseek_v4": "deepseek.v4"}
 
 
 def family(name: str):

@@ -263,13 +263,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); with `limit`, w1 x clamped at most it and w3 x within +-it (DeepSeek V4)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, limit: float = 0.0):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.w2(F.silu(gate) * up)

@@ -54,7 +54,7 @@ class Experts(nn.Module):
             self.w1_bias, self.w2_bias, self.w3_bias = (nn.Parameter(torch.empty(n, d)) for d in (hidden, dim, hidden))
         else:
             self.w1_bias = self.w2_bias = self.w3_bias = None
-        self.limit, self.alpha = args.swiglu_limit, args.swiglu_alpha
+        self.limit, self.alpha, self.up_shift = args.swiglu_limit, args.swiglu_alpha, args.swiglu_up_shift
         self.grouped = grouped
         self.adapted: dict[str, tuple[float, float]] = {}  # LoRA: stack -> (scale, dropout) of its adapters
 
@@ -70,7 +70,7 @@ class Experts(nn.Module):
         if not self.limit:
             return F.silu(gate) * up
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return gate * torch.sigmoid(self.alpha * gate) * (up + 1)
+        return gate * torch.sigmoid(self.alpha * gate) * (up + self.up_shift)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim]: tokens sorted by expert, `counts` [E] of them each -> [N, dim]."""
@@ -105,6 +105,10 @@ class Experts(nn.Module):
         return _ContiguousGrad.apply(project(h, "w2", w2)) + b2
 
 
+SCORES = {"softmax": lambda logits: logits.softmax(-1), "sigmoid": torch.sigmoid,
+          "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt()}
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -112,14 +116,17 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, args.n_experts, bias=args.bias)
         self.force_balanced = False  # debug: deal tokens to experts round-robin (benchmarks of an even load)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (top-k weights [T, k], their experts [T, k], every expert's score [T, E]).
-        `bias` [E] shifts which experts are chosen, not the weights they get."""
+        `bias` [E] shifts which experts are chosen, not the weights they get; `experts` [T, k]: chosen already
+        (hash routing), only weighed here."""
         a = self.args
         gate_bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = F.linear(x.float(), self.gate.weight.float(), gate_bias)
-        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        scores = SCORES[a.score_func](logits)
+        if experts is not None:
+            return self._weighed(scores, experts), experts, scores
         choice = scores if bias is None else scores + bias
         if a.n_groups > 1:  # keep the top_groups groups, ranked by the sum of their two best scores
             grouped = choice.view(len(x), a.n_groups, -1)
@@ -130,10 +137,13 @@ class Router(nn.Module):
             experts = torch.arange(len(x) * a.top_k, device=x.device).view(len(x), a.top_k) % a.n_experts
         else:
             experts = choice.topk(a.top_k, dim=-1).indices
+        return self._weighed(scores, experts), experts, scores
+
+    def _weighed(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         weights = scores.gather(-1, experts)
-        if a.route_norm:
+        if self.args.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, experts, scores
+        return weights * self.args.route_scale
 
 
 class MoE(nn.Module):
@@ -150,23 +160,34 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = Experts(dim, args, grouped)
-        self.shared = FeedForward(dim, args.n_shared * args.hidden) if args.n_shared else None
+        self.shared = FeedForward(dim, args.n_shared * args.hidden, args.swiglu_limit if args.clamp_shared else 0.0) \
+            if args.n_shared else None
         self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        # hash routing: each token id's experts (a fixed table, state like the bias: checkpoints keep it)
+        self.register_buffer("hash_experts", torch.zeros(args.hash_vocab, args.top_k, dtype=torch.long)
+                             if args.hash_vocab else None)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.aux_loss_coef, self.aux_scale = 0.0, 1.0
         self.aux_loss_sum = torch.zeros(())
 
     def reset_buffers(self) -> None:
-        """Zero the balancing state (after materializing on a device, before any load)."""
+        """Zero the balancing state (after materializing on a device, before any load); a hash table is dealt
+        afresh: each token id's top_k experts drawn without repeats, seeded (the same on every rank)."""
+        if self.hash_experts is not None:
+            gen = torch.Generator().manual_seed(self.args.hash_seed)
+            draws = torch.rand(len(self.hash_experts), self.args.n_experts, generator=gen)
+            self.hash_experts.copy_(draws.topk(self.args.top_k, dim=-1).indices)
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
         self.aux_loss_sum = torch.zeros((), device=self.expert_bias.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [batch, seq]: x's token ids, which hash routing reads."""
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         k = self.args.top_k
-        weights, experts, scores = self.router(flat, self.expert_bias)
+        hashed = None if self.hash_experts is None else self.hash_experts[tokens.reshape(-1)]
+        weights, experts, scores = self.router(flat, self.expert_bias, hashed)
         order = experts.view(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(experts.view(-1), minlength=self.args.n_experts)
         tokens = flat[order // k]

@@ -24,7 +24,7 @@ class MoEArgs:
     top_k: int = 2
     hidden: int = 256  # each routed expert's SwiGLU hidden size
     n_shared: int = 0  # shared experts (one dense SwiGLU of n_shared x hidden, added for every token)
-    score_func: str = "softmax"  # router scores: softmax or sigmoid (computed in fp32)
+    score_func: str = "softmax"  # router scores: softmax, sigmoid or sqrtsoftplus (DeepSeek V4); computed in fp32
     route_norm: bool = True  # renormalize the top-k weights to sum to 1
     route_scale: float = 1.0  # then scale them
     n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose within top_groups of them
@@ -34,7 +34,12 @@ class MoEArgs:
     # of the decoder's ffn_hidden. None: every block
     bias: bool = False  # biases on the router and the experts' projections (GPT-OSS)
     swiglu_limit: float = 0.0  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, then
-    swiglu_alpha: float = 1.702  # gate * sigmoid(alpha * gate) * (up + 1); limit 0: plain silu(gate) * up
+    swiglu_alpha: float = 1.702  # gate * sigmoid(alpha * gate) * (up + up_shift); limit 0: plain silu(gate) * up
+    swiglu_up_shift: float = 1.0  # (DeepSeek V4's: alpha 1, shift 0, the shared experts clamped too)
+    clamp_shared: bool = False  # the shared experts' SwiGLU clamped at swiglu_limit as well
+    hash_vocab: int = 0  # hash routing (DeepSeek V4's first blocks): a fixed table of top_k experts per token id
+    # of this vocabulary picks them, the router only weighs them; 0: the router picks
+    hash_seed: int = 0  # seeds the table dealt when training starts from scratch (a block's own)
 
     def sparse(self, layer_id: int) -> bool:
         return self.layers is None or layer_id in self.layers

@@ -41,7 +41,8 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
                         high_precision: tuple[str, ...], more_units: tuple[nn.Module, ...] = (),
                         idle: bool = False, more_blocks: dict[str, nn.Module] | None = None,
                         more_tp: tuple[tuple[nn.Module, dict], ...] = ()) -> nn.Module:
-    """`block_tp_plan`: the blocks' TP plan, or (block) -> its plan (a hybrid's blocks differ); `more_units`:
+    """`block_tp_plan`: the blocks' TP plan, or (block) -> its plan (a hybrid's blocks differ); its entries win over
+    the shared FFN plan's (DeepSeek V4's hash-routed MoE takes its token ids too); `more_units`:
     modules beside the blocks that FSDP gathers one at a time (DeepSeek's MTP depths);
     `idle`: they are kept but never run (not trained in this layout); `more_blocks`: blocks inside them that TP
     and CP split like the model's (a depth's block); `more_tp`: (module, its TP plan) of the rest of them."""
@@ -52,7 +53,7 @@ def parallelize_decoder(model: nn.Module, world: World, cfg: JobConfig, block_tp
     if world.dims.tp > 1:
         tp_mesh = world.mesh["tp"]
         plan_of = block_tp_plan if callable(block_tp_plan) else lambda _: block_tp_plan  # per block (hybrids)
-        blocks = [(b, {**plan_of(b), **_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)]})
+        blocks = [(b, {**_FFN_TP_PLAN[isinstance(b.feed_forward, MoE)], **plan_of(b)})
                   for b in (*model.layers.values(), *(more_blocks or {}).values())]
         apply_tp(model, tp_mesh, root_plan("tok_embeddings", "norm", "output", not p.disable_loss_parallel),
                  [*blocks, *more_tp])

@@ -70,7 +70,8 @@ class Selections:
     (GLM-5's "shared" blocks); one per model, its blocks' attention all holding it. Kept until the next forward
     replaces them, so a block recomputed in backward (activation checkpointing) reads what its forward read."""
 
-    def __init__(self):
+    def __init__(self, shared: bool):
+        self.shared = shared  # some blocks share an earlier one's selection: the indexed blocks keep theirs here
         self.masks: dict[int, torch.Tensor] = {}
         self.steps = 0  # the optimizer steps done (the indexed blocks' side losses know it; the others read it here)
 
@@ -82,11 +83,14 @@ class Selections:
         return self.masks[max(earlier)]
 
 
-def selected(logits: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+def selected(logits: torch.Tensor, allowed: torch.Tensor, topk: int, stable: bool = False) -> torch.Tensor:
     """[batch, n_q, n_k] bool: the `topk` keys of each query's allowed ones that the indexer ranks highest (all of
-    them where fewer are allowed)."""
+    them where fewer are allowed). `stable`: equal scores (the relu's zeros) go to the earlier key: which of them
+    topk picks depends on the shapes it runs on, so decoding, or a document packed elsewhere, could pick others."""
     masked = logits.masked_fill(~allowed, float("-inf"))
-    picks = masked.topk(min(topk, masked.shape[-1]), dim=-1).indices
+    k = min(topk, masked.shape[-1])
+    picks = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k] if stable else \
+        masked.topk(k, dim=-1).indices
     return torch.zeros_like(allowed).scatter(-1, picks, True) & allowed
 
 

@@ -27,7 +27,8 @@ class MLA(nn.Module):
     def __init__(self, args, layer_id: int = 0):
         super().__init__()
         # _layer_id: which block this is (DSA's shared selections), no setting of its own (tessera.estimate traces
-        # blocks alike in all else as one kind)
+        # blocks alike in all else as one kind); read only where blocks share selections (GLM-5), since compile
+        # specializes a block on it
         a, self.args, self._layer_id = args, args, layer_id
         q_out = a.n_heads * a.head_dim
         if a.q_lora_rank:
@@ -46,7 +47,7 @@ class MLA(nn.Module):
             if layer_id not in a.index_shared:  # else (GLM-5) those of the indexed block before it
                 self.indexer = dsa.Indexer(a)
                 self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
-            self.selections = dsa.Selections()  # the model shares one among its blocks
+            self.selections = dsa.Selections(bool(a.index_shared))  # the model shares one among its blocks
             self.head_sum = dsa.HeadSum()
             self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
 
@@ -80,6 +81,13 @@ class MLA(nn.Module):
             out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
+    @torch.compiler.disable  # the step count changes every step: read in a compiled block, it would recompile it
+    def _dense_now(self) -> bool:  # each step (a graph break, only in runs with a warm-up)
+        """Whether this forward attends every key (the dense warm-up): its indexed blocks tell the others."""
+        if self.indexer is not None:
+            self.selections.steps = self.indexer_loss.steps
+        return self.training and self.selections.steps < self.dense_warmup_steps
+
     def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, cache: "dsa.IndexedCache | None", documents: torch.Tensor | None) -> torch.Tensor:
         """DSA: the queries attend the indexer's top-k keys (every key during the dense warm-up); while training, the
@@ -87,8 +95,6 @@ class MLA(nn.Module):
         if self.training:
             x, q_latent = x.detach(), q_latent.detach()
         indexed = self.indexer is not None
-        if indexed:
-            self.selections.steps = self.indexer_loss.steps
         logits = None
         if indexed:
             logits, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
@@ -100,9 +106,13 @@ class MLA(nn.Module):
         if documents is not None:
             mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
         if indexed:
-            self.selections.masks[self._layer_id] = dsa.selected(logits, mask, self.args.index_topk)
-        if not (self.training and self.selections.steps < self.dense_warmup_steps):
-            mask = self.selections.masks[self._layer_id] if indexed else self.selections.before(self._layer_id)
+            picked = dsa.selected(logits, mask, self.args.index_topk)
+            if self.selections.shared:  # GLM-5: blocks after this one attend what it picked
+                self.selections.masks[self._layer_id] = picked
+        else:
+            picked = self.selections.before(self._layer_id)
+        if not (self.dense_warmup_steps and self._dense_now()):
+            mask = picked
         out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
         if self.training and indexed and self.indexer_loss.weight:
             out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(probs.detach()), logits, mask))

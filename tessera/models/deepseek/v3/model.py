@@ -51,7 +51,8 @@ class DeepSeekV3(Decoder):
         self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
             if args.n_mtp else None
         self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
-        selections = dsa.Selections()  # DSA: what each indexed block picked, for the blocks that share it
+        selections = dsa.Selections(bool(args.index_shared))  # DSA: what each indexed block picked, for the blocks
+        # that share it
         for attention in (m for m in self.modules() if isinstance(m, MLA) and m.sparse):
             attention.selections = selections
         self.lookahead = Lookahead()  # the tokens after each position (across CP ranks' chunks)

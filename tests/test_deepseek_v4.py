@@ -1,0 +1,234 @@
+"""DeepSeek V4 (the DeepSeek group's deepseek_v4 family): counts against the models built and the released sizes;
+logits / both HF directions / greedy generation against transformers' DeepseekV4ForCausalLM on configs that are no
+preset (sliding, CSA and HCA blocks, hash routing, YaRN), in a folder transformers saved and in the release's
+layout and config names; packed documents; the indexer's loss; refusals. Its layouts are in
+tests/test_deepseek_v3.py's 4-rank launch."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from tessera.models import family, hf_args, num_params
+from tests.hf_parity import (
+    assert_cached_decoding_equals_whole,
+    assert_refused,
+    assert_round_trip,
+    import_hf,
+    initialized,
+)
+
+V4 = family("deepseek_v4")
+S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+@pytest.mark.fast
+def test_counts_equal_the_models_built_and_the_released_sizes():
+    for args in V4.flavors.values():
+        with torch.device("meta"):
+            model = V4.spec().model(dataclasses.replace(args, vocab_size=args.vocab_size or 256))
+        assert V4.counts(model.args, 128).params == num_params(model)
+    flash, pro = (V4.counts(V4.flavors[f], 4096) for f in ("Flash", "Pro"))
+    assert 280e9 < flash.params < 290e9 and 12e9 < flash.active < 14e9  # "284B, 13B active"
+    assert 1.55e12 < pro.params < 1.65e12 and 47e9 < pro.active < 51e9  # "1.6T, 49B active"
+    # the attention's FLOPs grow with the compressed entries a query attends, not with the sequence squared
+    a = V4.flavors["Flash"]
+    short, long = (V4.counts(a, s).flops_per_token for s in (65536, 131072))
+    dense_growth = 6 * a.n_layers * a.n_heads * 2 * a.head_dim * 65536
+    assert 0 < long - short < dense_growth / 20
+
+
+ODD = {  # transformers' DeepseekV4Config fields; none is a preset
+    "all_three_kinds_hash_first": dict(
+        layer_types=[S, C, H], mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={C: 4, H: 8}, sliding_window=6, hc_mult=2, index_topk=3),
+    "yarn_sigmoid_three_streams": dict(
+        layer_types=[H, C, S, C], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], num_hidden_layers=4,
+        compress_rates={C: 2, H: 16}, sliding_window=5, hc_mult=3, hc_sinkhorn_iters=7, o_groups=4, index_topk=5,
+        scoring_func="sigmoid", routed_scaling_factor=2.0, partial_rotary_factor=0.25,
+        swiglu_limit=0.7, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                           "beta_fast": 8, "beta_slow": 1}),
+}
+
+
+def _theirs(path, **overrides):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV4Config(**{**dict(
+        vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=4,
+        n_shared_experts=1, hc_sinkhorn_iters=5, o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=8,
+        max_position_embeddings=256, bos_token_id=None, eos_token_id=None), **overrides})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    # 8 indexer heads: an entry scores exactly 0 (the relu's) only where all do, so ties at the top-k's edge, which
+    # topk and our stable pick break differently, are rare
+    with torch.no_grad():  # sinks, slot biases and the streams' biases start at 0, the routing table at expert 0
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")) or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.rand(b.shape[0], config.n_routed_experts).topk(b.shape[1]).indices)
+            elif name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("case", list(ODD))
+def test_logits_import_export_and_greedy_generation_equal_transformers(tmp_path, case):
+    """A folder transformers saved (the release's names under `model.`) imports to its logits; our export (the
+    release's names) reloads in transformers with them; greedy generation (our decoding cache) equals theirs."""
+    transformers = pytest.importorskip("transformers")
+    theirs = _theirs(tmp_path / "in", **ODD[case])
+    ours, args = import_hf("deepseek_v4", tmp_path / "in", 64)
+    assert all(args.arch() != f.arch() for f in V4.flavors.values())
+    assert V4.counts(args, 32).params == num_params(ours)
+    assert args.layer_types == ODD[case]["layer_types"]
+    tokens = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert_round_trip(theirs, ours, args, transformers.DeepseekV4ForCausalLM, tmp_path / "in", tmp_path)
+
+
+def test_the_released_layout_and_config_names_load_and_what_it_does_not_compute_is_refused(tmp_path):
+    """The release's tensor names (no `model.` prefix, `embed`, `hc_head_fn`, MTP depths beside) and its older
+    config names (compress_ratios, compress_rate_csa / _hca, num_hash_layers, qk_rope_head_dim) load to
+    transformers' logits; settings transformers computes otherwise are refused in one line naming the file."""
+    from safetensors.torch import load_file, save_file
+
+    theirs = _theirs(tmp_path / "hf", **ODD["all_three_kinds_hash_first"])
+    released = tmp_path / "released"
+    released.mkdir()
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor"):
+        config.pop(key)
+    config.update(compress_ratios=[0, 4, 8], compress_rate_csa=4, compress_rate_hca=8, num_hash_layers=1,
+                  qk_rope_head_dim=8)
+    (released / "config.json").write_text(json.dumps(config))
+    renames = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+               "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    saved = load_file(tmp_path / "hf/model.safetensors")
+    state = {renames.get(k, k.removeprefix("model.")): v for k, v in saved.items()}
+    state["mtp.0.emb.tok_emb.weight"] = torch.zeros(97, 32)  # a depth transformers does not build either
+    save_file(state, released / "model.safetensors", metadata={"format": "pt"})
+    ours, args = import_hf("deepseek_v4", released)
+    assert args.layer_types == [S, C, H] and args.mlp_layer_types == ["hash_moe", "moe", "moe"]
+    assert args.rope_head_dim == 8 and (args.csa_rate, args.hca_rate) == (4, 8)
+    tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    for bad, line in (({"num_key_value_heads": 2}, "num_key_value_heads = 2: Tessera's deepseek_v4 computes"),
+                      ({"compress_ratios": [0, 4, 16]}, "compress_ratios holds [16]: each must be 0, the CSA rate 4 "
+                                                        "or the HCA rate 8"),
+                      ({"n_shared_experts": 2}, "n_shared_experts = 2: Tessera's deepseek_v4 computes")):
+        (released / "config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ValueError, match="^" + re.escape(f"{released / 'config.json'}: {line}")):
+            hf_args("deepseek_v4", str(released))
+
+
+def test_fp8_release_style_weights_are_dequantized_on_import(tmp_path):
+    """The release's FP8 blocks (its projections and experts; the compressors', the indexer's weights_proj, the
+    router, norms, embedding and head kept in bf16, as transformers lists them) import to transformers' logits on
+    the same dequantized weights; FP4 experts (V4's expert_dtype) are refused in one line."""
+    from tests.test_deepseek_v3 import _quantize_fp8, dequantized_copy
+
+    transformers = pytest.importorskip("transformers")
+    _theirs(tmp_path / "in", **ODD["all_three_kinds_hash_first"])
+    kept = ("compressor.wkv", "compressor.wgate", "weights_proj", "ffn.gate.", "embed", "head")
+    _quantize_fp8(tmp_path / "in", 8, lambda name, w: w.dim() == 2 and name.endswith(".weight") and
+                  "norm" not in name and not any(k in name for k in kept))
+    ours, _ = import_hf("deepseek_v4", tmp_path / "in")
+    dequantized_copy(tmp_path / "in", tmp_path / "ref", 8)
+    ref = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "ref").eval()
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "in/config.json").read_text())
+    config["quantization_config"]["expert_dtype"] = "fp4"
+    (tmp_path / "in/config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape("quantization_config expert_dtype = 'fp4': Tessera dequantizes")):
+        hf_args("deepseek_v4", str(tmp_path / "in"))
+
+
+def _debug(**changes):
+    return initialized(V4, dataclasses.replace(V4.flavors["debugmodel"], vocab_size=60, max_seq_len=64, **changes))
+
+
+@pytest.mark.fast
+def test_packed_documents_equal_each_document_alone():
+    """Block-causal masking: packed after another whose length is a multiple of the rates (8), a document's logits
+    (its positions from 0) equal its own, compressed entries included (CSA's reach back stops at its start). After
+    one that is not (13), its logits do not depend on the document before."""
+    from tessera.models.common.rope import document_positions
+
+    model = _debug().eval()
+    first, second = (torch.randint(0, 60, (1, n), generator=torch.Generator().manual_seed(n)) for n in (13, 48))
+
+    def packed(a, b):
+        documents = torch.tensor([[0] * a.shape[1] + [1] * b.shape[1]])
+        return model(torch.cat([a, b], dim=1), documents=documents, positions=document_positions(documents)[0])
+
+    with torch.no_grad():
+        together = packed(first[:, :8], second)
+        torch.testing.assert_close(together[:, :8], model(first[:, :8]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together[:, 8:], model(second), rtol=1e-5, atol=1e-5)
+        after, after_other = packed(first, second[:, :43]), packed(first.flip(1), second[:, :43])
+    torch.testing.assert_close(after[:, :13], model(first), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[:, 13:], after_other[:, 13:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_the_indexer_learns_from_its_own_loss_only():
+    """The CSA indexers' KL loss trains them alone (their inputs detached): the other gradients are those of the
+    language-model loss, the indexers get none at weight 0."""
+    model = _debug().train()
+    tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(3))
+    losses = [m for m in model.modules() if hasattr(m, "metric")]
+    assert [m.metric for m in losses] == ["indexer_loss", "indexer_loss"]  # the two CSA blocks
+    grads = {}
+    for weight in (0.0, 1.0):
+        for m in losses:
+            m.weight = weight
+        model.zero_grad()
+        model(tokens, labels=tokens).backward()
+        grads[weight] = {n: p.grad for n, p in model.named_parameters()}
+    indexer = [n for n in grads[1.0] if ".indexer." in n]
+    assert indexer and all(grads[0.0][n] is None for n in indexer)
+    assert all(grads[1.0][n] is not None and grads[1.0][n].abs().sum() > 0 for n in indexer if "wq_b" in n)
+    for n, g in grads[0.0].items():
+        if g is not None:
+            torch.testing.assert_close(grads[1.0][n], g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.fast
+def test_cached_decoding_equals_the_uncached_path():
+    assert_cached_decoding_equals_whole(_debug().eval(), 60)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("argv", "world", "line"), [
+    (["--training.seq_len", "36"], 1,
+     "training.seq_len: 36 tokens is not a multiple of deepseek_v4 debugmodel's compression rates [4, 8]"),
+    (["--parallelism.context_parallel_degree", "2"], 2,
+     "parallelism.context_parallel_degree: deepseek_v4 debugmodel's compressed entries span windows"),
+    (["--parallelism.tensor_parallel_degree", "4"], 4,
+     "parallelism.tensor_parallel_degree: 4 does not divide the output projection's groups (2)"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.0"], 2,
+     "parallelism.pipeline_parallel_degree: deepseek_v4 debugmodel's hash-routed blocks [0] read the token ids, "
+     "which only the first stage holds, and it holds blocks []"),
+])
+def test_layouts_and_settings_it_cannot_take_are_refused_before_launch(argv, world, line):
+    assert_refused("deepseek_v4", argv, world, line)
+
+
+@pytest.mark.fast
+def test_a_top_k_above_the_entries_says_so_in_one_line(caplog):
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+
+    validate(parse_args(["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", "--training.seq_len", "16"]),
+             1)
+    assert "training.seq_len: 16 tokens make 4 CSA entries, and deepseek_v4 debugmodel attends the top 4" in caplog.text
