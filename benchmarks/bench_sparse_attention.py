@@ -9,10 +9,10 @@ attention beside a 128-token window (tessera/models/deepseek/v4/attention.py).
 
 Per length: tokens/s of each layer (median over rounds, the layers timed in alternation), the bytes each keeps for
 backward (tensors autograd saves), and their ratios to dense MLA. On CPU in fp32, 512-wide layers of 4 heads: MLA's
-64 + 32 RoPE dims (values 96, so that dense attention runs SDPA's fused kernel), query and KV bottlenecks of 128; V4's one key/value head of 96 (32 RoPE), a query
-bottleneck of 128, 2 output groups of 128; both indexers 4 heads of 64. Tessera's DSA and CSA are reference paths
-that materialize scores over every key (DSA) or every compressed entry (CSA): a layer whose estimate of those
-exceeds --memory_gib is not run at that length (a dash).
+64 + 32 RoPE dims (values 96, so that dense attention runs SDPA's fused kernel), query and KV bottlenecks of 128;
+V4's one key/value head of 96 (32 RoPE), a query bottleneck of 128, 2 output groups of 128; both indexers 4 heads of
+64. Tessera's DSA and CSA are reference paths that materialize scores over every key (DSA) or every compressed entry
+(CSA): a layer whose estimate of those exceeds --memory_gib is not run at that length (a dash).
 """
 
 import argparse

@@ -226,3 +226,29 @@ def test_a_sequence_no_longer_than_the_top_k_runs_dense_with_a_warning(caplog):
     said = [r.message for r in caplog.records if "index_topk" in r.message]
     assert said and said[0].startswith("training.seq_len: 16 tokens, and deepseek_v3 v32_debugmodel attends the top 16 "
                                        "keys (index_topk): every key, so its sparse attention computes as dense")
+
+
+def test_compiled_sparse_blocks_compile_once_per_kind_not_per_block_or_step():
+    """Each block compiled (dynamo with the eager backend: what recompiles is dynamo's, not inductor's): the step
+    count the warm-up reads and a block's place in the model must not be compiled in, else a 61-block model would
+    recompile per block and per step and fall back to eager past dynamo's limit. After the first step (one graph per
+    kind of block: the dense first, the MoE ones), a second warm-up step recompiles nothing; the first sparse step
+    recompiles once (the warm-up's end), the next nothing."""
+    torch._dynamo.reset()
+    model = _model()
+    for attention in (m for m in model.modules() if getattr(m, "indexer", None) is not None):
+        attention.dense_warmup_steps = 2
+    for block in model.layers.values():
+        block.compile(backend="eager")
+    sides = [m for m in model.modules() if m.__class__.__name__ == "SideLoss" and m.metric == "indexer_loss"]
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    try:
+        for step in range(4):
+            for side in sides:  # as the trainer sets them each step
+                side.steps, side.weight = step, 1.0
+                side.reset()
+            torch.compiler.set_stance("fail_on_recompile" if step in (1, 3) else "default")
+            model(tokens).float().logsumexp(-1).mean().backward()
+    finally:
+        torch.compiler.set_stance("default")
+        torch._dynamo.reset()

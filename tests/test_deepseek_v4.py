@@ -132,7 +132,8 @@ def test_the_released_layout_and_config_names_load_and_what_it_does_not_compute_
 def test_fp8_release_style_weights_are_dequantized_on_import(tmp_path):
     """The release's FP8 blocks (its projections and experts; the compressors', the indexer's weights_proj, the
     router, norms, embedding and head kept in bf16, as transformers lists them) import to transformers' logits on
-    the same dequantized weights; FP4 experts (V4's expert_dtype) are refused in one line."""
+    the same dequantized weights; the release's own FP8 form (ue8m0 scales named `.scale`) and FP4 experts are
+    refused in one line each."""
     from tests.test_deepseek_v3 import _quantize_fp8, dequantized_copy
 
     transformers = pytest.importorskip("transformers")
@@ -147,10 +148,12 @@ def test_fp8_release_style_weights_are_dequantized_on_import(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
     config = json.loads((tmp_path / "in/config.json").read_text())
-    config["quantization_config"]["expert_dtype"] = "fp4"
-    (tmp_path / "in/config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=re.escape("quantization_config expert_dtype = 'fp4': Tessera dequantizes")):
-        hf_args("deepseek_v4", str(tmp_path / "in"))
+    for key, value, line in (("expert_dtype", "fp4", "quantization_config expert_dtype = 'fp4': Tessera dequantizes"),
+                             ("scale_fmt", "ue8m0", "quantization_config scale_fmt = 'ue8m0': Tessera dequantizes")):
+        (tmp_path / "in/config.json").write_text(json.dumps(
+            {**config, "quantization_config": {**config["quantization_config"], key: value}}))
+        with pytest.raises(ValueError, match=re.escape(line)):
+            hf_args("deepseek_v4", str(tmp_path / "in"))
 
 
 def _debug(**changes):
@@ -232,3 +235,24 @@ def test_a_top_k_above_the_entries_says_so_in_one_line(caplog):
     validate(parse_args(["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", "--training.seq_len", "16"]),
              1)
     assert "training.seq_len: 16 tokens make 4 CSA entries, and deepseek_v4 debugmodel attends the top 4" in caplog.text
+
+
+def test_compiled_blocks_compile_once_per_kind_of_block_not_per_step():
+    """Each block compiled (dynamo, eager backend): the first step compiles a graph per kind of block (sliding, CSA,
+    HCA; hash-routed or not), the second recompiles nothing."""
+    torch._dynamo.reset()
+    model = _debug().train()
+    for block in model.layers.values():
+        block.compile(backend="eager")
+    sides = [m for m in model.modules() if m.__class__.__name__ == "SideLoss"]
+    tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(1))
+    try:
+        for step in range(2):
+            for side in sides:  # as the trainer sets them each step
+                side.steps, side.weight = step, 1.0
+                side.reset()
+            torch.compiler.set_stance("fail_on_recompile" if step else "default")
+            model(tokens, labels=tokens).backward()
+    finally:
+        torch.compiler.set_stance("default")
+        torch._dynamo.reset()

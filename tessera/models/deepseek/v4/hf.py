@@ -101,10 +101,15 @@ def args_from_hf_config(config: dict) -> DeepSeekV4Args:
                                                               "mlp_bias": False, "num_key_value_heads": 1,
                                                               "n_shared_experts": 1},  # transformers' V4 builds one
                               ("default", "yarn"))
-    expert_dtype = (config.get("quantization_config") or {}).get("expert_dtype", config.get("expert_dtype"))
+    quantized = config.get("quantization_config") or {}
+    expert_dtype = quantized.get("expert_dtype", config.get("expert_dtype"))
     if expert_dtype not in (None, "fp8"):
         raise ValueError(f"quantization_config expert_dtype = {expert_dtype!r}: Tessera dequantizes FP8 blocks as it "
                          f"reads them, not the release's FP4 experts; convert the experts to bf16 first")
+    if quantized.get("scale_fmt", "float") != "float":  # the release's: ue8m0 scales named `<weight>.scale`
+        raise ValueError(f"quantization_config scale_fmt = {quantized['scale_fmt']!r}: Tessera dequantizes FP8 blocks "
+                         f"with fp32 inverse scales (`weight_scale_inv`, DeepSeek V3's form), not these; convert the "
+                         f"weights to bf16 first")
     n_layers, head_dim = shared.positive_int(config, "num_hidden_layers"), config.get("head_dim", 512)
     rates = {CSA: 4, HCA: 128, **(config.get("compress_rates") or {})}
     rates[CSA] = config.get("compress_rate_csa", rates[CSA])
