@@ -26,7 +26,7 @@ from tessera import architecture
 from tessera.config import ConfigError, JobConfig
 from tessera.estimate.cli import CLUSTER, GIB, HEADROOM, Flag, cluster, help_asked, quiet, split
 from tessera.estimate.core import estimate, layout_name
-from tessera.estimate.cost import Cluster, cp_method, replica_sync, step_time
+from tessera.estimate.cost import Cluster, cp_method, replica_sync, routed_params, step_time
 from tessera.parallel.pp import ZERO_BUBBLE, reduces_each_microbatch
 from tessera.parallel.pp_layout import MULTI_STAGE
 from tessera.preflight import validate
@@ -204,7 +204,8 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     """Bytes a rank of this layout holds at least, from the model's sizes alone (no trace): its fp32 parameter
     shards, their gradients and AdamW's two moments (16 B a parameter of a pipeline stage's share of the layers and
     the larger embedding table; under PP and FSDP also the stage's bf16 parameters, gathered through backward unless
-    each micro-batch's gradients are reduce-scattered and its parameters freed after its backward), and
+    each micro-batch's gradients are reduce-scattered and its parameters freed after its backward, of its routed
+    experts EP's share), and
     what the micro-batches in flight keep (below). Under the traced estimate on every shipped cluster
     (tests/test_estimate.py), it rules a layout out before its speed is ranked, so that a search at scale spends its
     estimates on layouts that can fit."""
@@ -214,8 +215,10 @@ def floor(cfg: JobConfig, dims, args, counts) -> int:
     trained = 4 if cfg.lora.rank else 16  # LoRA: the frozen base's weights alone (its adapters are a rounding)
     states = trained * stage / (dims.tp * dims.dp_shard * dims.cp)
     if dims.pp > 1 and dims.dp_shard * dims.cp > 1 and not reduces_each_microbatch(cfg):  # torch's schedules keep
-        # the stage gathered through backward
-        states += 2 * stage / dims.tp
+        # the stage gathered through backward: its routed experts only EP's share of them (FSDP gathers experts
+        # within EP groups)
+        routed = routed_params(args, counts) / dims.pp
+        states += 2 * ((stage - routed) / dims.tp + routed / dims.ep)
     heads, hd = args.n_heads, args.head_dim
     moe = getattr(args, "moe", None)
     sparse = 0.0 if moe is None else moe.n_sparse(args.n_layers) / args.n_layers

@@ -219,6 +219,8 @@ def test_cached_decoding_equals_the_uncached_path():
      "parallelism.context_parallel_degree: deepseek_v4 debugmodel's compressed entries span windows"),
     (["--parallelism.tensor_parallel_degree", "4"], 4,
      "parallelism.tensor_parallel_degree: 4 does not divide the output projection's groups (2)"),
+    (["--lora.rank", "4", "--lora.target_modules", "wq_b,wo_a"], 1,
+     "lora.target_modules: wo_a is deepseek_v4 debugmodel's grouped output projection"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.0"], 2,
      "parallelism.pipeline_parallel_degree: deepseek_v4 debugmodel's hash-routed blocks [0] read the token ids, "
      "which only the first stage holds, and it holds blocks []"),
@@ -256,3 +258,28 @@ def test_compiled_blocks_compile_once_per_kind_of_block_not_per_step():
     finally:
         torch.compiler.set_stance("default")
         torch._dynamo.reset()
+
+
+@pytest.mark.ranks
+def test_the_trainer_imports_and_exports_hf_under_pp_and_ep(tmp_path):
+    """PP 2 x EP 2 from a transformers folder, one step at lr 0 (and no bias update): the export (written by the ranks
+    that hold each tensor; the hash-routing table, integers, gathered from the first stage's) reloads in transformers
+    equal to the folder, routing table and experts included."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.launch import run_dist
+
+    theirs = _theirs(tmp_path / "hf_in", vocab_size=300, num_hidden_layers=4, layer_types=[S, C, H, C],
+                     mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={C: 4, H: 8}, sliding_window=6,
+                     hc_mult=2, index_topk=3)
+    run_dist(4, tmp_path / "run", "--model.name", "deepseek_v4", "--model.flavor=", "--training.steps", "1",
+             "--optimizer.lr", "0", "--lr_scheduler.warmup_steps", "0", "--moe.load_balance_rate", "0",
+             "--checkpoint.enable",
+             "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path",
+             str(tmp_path / "hf_in"), "--training.local_batch_size", "2", "--training.seq_len", "32",
+             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+             "--parallelism.expert_parallel_degree", "2")
+    exported = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "run/checkpoint/exports/step-1").state_dict()
+    for key, value in theirs.state_dict().items():
+        if "rotary_emb" not in key:
+            torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)

@@ -91,6 +91,9 @@ def check(cfg, args, dims) -> None:
         logging.getLogger("tessera").warning(
             f"training.seq_len: {seq} tokens make {seq // args.csa_rate} CSA entries, and {label} attends the top "
             f"{args.index_topk} (index_topk): every entry, so its sparse attention computes as dense here")
+    if cfg.lora.rank and "wo_a" in cfg.lora.target_modules:
+        raise ValueError(f"lora.target_modules: wo_a is {label}'s grouped output projection (a block-diagonal map), "
+                         f"which LoRA's adapters do not take; adapt wo_b instead")
     hashed = [i for i in range(args.n_layers) if args.hashed(i)]
     if hashed and dims.ep > 1 and args.n_experts % dims.ep:
         raise ValueError(f"parallelism.expert_parallel_degree: {dims.ep} does not divide the {args.n_experts} experts "
