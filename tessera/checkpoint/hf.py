@@ -78,20 +78,25 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     # Packed: safetensors writes contiguous tensors only, and an adapter may hand views (a transposed layout).
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
              for k, v in names.to_hf(model_state).items()}
-    # Integer tensors (DeepSeek V4's hash routing tables: buffers, whole on the ranks that hold them) go to a file
-    # of their own, which rank 0 writes: torch's consolidation of DCP's shards sizes floating-point tensors only.
-    integers = {k: v.cpu() for k, v in state.items() if not v.is_floating_point()}
+    # Integer tensors (DeepSeek V4's hash routing tables: buffers, whole on every rank that holds them) go to files
+    # of their own, each written by the first rank holding it: torch's consolidation of DCP's shards sizes
+    # floating-point tensors only.
+    integers = {k: v for k, v in state.items() if not v.is_floating_point()}
     state = {k: v for k, v in state.items() if k not in integers}
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # global sizes, also for DTensors
+    owners = dict.fromkeys(integers, 0)
     if dist.is_initialized():  # the file index covers every rank's tensors (pipeline stages hold different ones)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (sizes, integers))
+        dist.all_gather_object(gathered, (sizes, sorted(integers)))
         sizes = {k: v for part, _ in gathered for k, v in part.items()}
-        integers = {k: v for _, part in gathered for k, v in part.items()}
+        owners = {}
+        for rank, (_, names) in enumerate(gathered):
+            owners.update({n: rank for n in names if n not in owners})
     out = Path(out_dir)
     if _rank0():  # stale shards or files of an earlier export would be merged into or read with this one
         shutil.rmtree(out / "sharded", ignore_errors=True)
-        for old in [*out.glob("model-*-of-*.safetensors"), out / INDEX, out / INTEGERS, out / CARRIED]:
+        for old in [*out.glob("model-*-of-*.safetensors"), *out.glob("model-integers-*.safetensors"), out / INDEX,
+                    out / CARRIED]:
             old.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
     _barrier()
@@ -100,6 +105,11 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     with warnings.catch_warnings():  # "torch.distributed is disabled ..." in a single process
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=writer)  # rank 0 has consolidated when this returns on any rank
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if mine := {k: v.cpu().contiguous() for k, v in integers.items() if owners[k] == rank}:
+        from safetensors.torch import save_file
+
+        save_file(mine, out / _integers(rank), metadata={"format": "pt"})
     if _rank0():
         shutil.rmtree(out / "sharded", ignore_errors=True)
         config = hf.hf_config(args, bos_id=bos_id, eos_id=eos_id)
@@ -112,23 +122,21 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
             (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if diffusers:
             _rename_weights(out, hf.weights_name)
-        if integers:
-            _add_file(out, INTEGERS, integers)
+        if owners:
+            _index(out, {name: _integers(rank) for name, rank in owners.items()})
         if carry_from:
             _carry(hf, Path(carry_from), out, dtype)
     _barrier()
 
 
-INTEGERS = "model-integers.safetensors"
+def _integers(rank: int) -> str:
+    return f"model-integers-{rank:05d}.safetensors"
 
 
-def _add_file(out: Path, name: str, tensors: dict) -> None:
-    """`tensors` in a safetensors file `name` of their own in `out`, entered in its index."""
-    from safetensors.torch import save_file
-
-    save_file({n: t.contiguous() for n, t in tensors.items()}, out / name, metadata={"format": "pt"})
+def _index(out: Path, files: dict[str, str]) -> None:
+    """{tensor name: its file} entered in `out`'s index."""
     index = json.loads((out / INDEX).read_text())
-    index["weight_map"].update(dict.fromkeys(tensors, name))
+    index["weight_map"].update(files)
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -140,6 +148,7 @@ def _carry(hf, source: Path, out: Path, dtype: torch.dtype | None) -> None:
     releases hold (the adapter's `carried`: Qwen 3.5's MTP head), written unchanged beside the export's own, with
     the config.json keys that describe them; said in one line (they were not trained)."""
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     what = getattr(hf, "carried", None)
     if what is None or not (source / "config.json").is_file():
@@ -155,7 +164,9 @@ def _carry(hf, source: Path, out: Path, dtype: torch.dtype | None) -> None:
             carried.update({n: fh.get_tensor(n) for n in fh.keys() if n.startswith(what.prefix)})
     if not carried:
         return
-    _add_file(out, CARRIED, {n: t.to(dtype or t.dtype) for n, t in carried.items()})
+    save_file({n: t.to(dtype or t.dtype).contiguous() for n, t in carried.items()}, out / CARRIED,
+              metadata={"format": "pt"})
+    _index(out, dict.fromkeys(carried, CARRIED))
     config = json.loads((out / "config.json").read_text())
     config.update({k: text[k] for k in what.config_keys if k in text})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -181,12 +181,12 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
         self.aux_loss_sum = torch.zeros((), device=self.expert_bias.device)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """`tokens` [batch, seq]: x's token ids, which hash routing reads."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`ids` [batch, seq]: x's token ids, which hash routing reads."""
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         k = self.args.top_k
-        hashed = None if self.hash_experts is None else self.hash_experts[tokens.reshape(-1)]
+        hashed = None if self.hash_experts is None else self.hash_experts[ids.reshape(-1)]
         weights, experts, scores = self.router(flat, self.expert_bias, hashed)
         order = experts.view(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(experts.view(-1), minlength=self.args.n_experts)

@@ -59,7 +59,7 @@ class V4Block(nn.Module):
         """h [batch, seq, hc x dim]; `tokens` the input ids (hash routing reads them)."""
         h = self._around(h, self.attention_hc,
                          lambda x: self.attention(self.attention_norm(x), rope, cache=cache, documents=documents))
-        return self._around(h, self.ffn_hc, lambda x: self.feed_forward(self.ffn_norm(x), tokens=tokens))
+        return self._around(h, self.ffn_hc, lambda x: self.feed_forward(self.ffn_norm(x), ids=tokens))
 
     def _around(self, h: torch.Tensor, mix: HyperMix, sublayer) -> torch.Tensor:
         hc = self.hc

@@ -36,7 +36,7 @@ def block_tp_plan(head_dim: int):
         if block.feed_forward.hash_experts is not None:  # replaces the shared plan's local_tokens("feed_forward")
             extra["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True,
-                input_kwarg_layouts={"tokens": Replicate()}, desired_input_kwarg_layouts={"tokens": Shard(1)})
+                input_kwarg_layouts={"ids": Replicate()}, desired_input_kwarg_layouts={"ids": Shard(1)})
         return {**plan, **extra}
     return of
 
