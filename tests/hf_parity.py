@@ -72,3 +72,25 @@ def assert_refused(name: str, argv: list[str], world: int, line: str) -> None:
 
     with pytest.raises(ConfigError, match="^" + re.escape(line)):
         validate(parse_args(["--model.name", name, "--model.flavor", "debugmodel", *argv]), world)
+
+
+def assert_steps_do_not_recompile(model, loss, steps: int, strict: set[int]) -> None:
+    """Each block of `model` compiled by dynamo (the eager backend: what recompiles is dynamo's, not inductor's), then
+    `steps` backwards of `loss(model)`, its side losses set each step as the trainer sets them: the steps in
+    `strict` (from 0) must not recompile."""
+    from tessera.models.common.side_loss import SideLoss
+
+    torch._dynamo.reset()
+    for block in model.layers.values():
+        block.compile(backend="eager")
+    sides = [m for m in model.modules() if isinstance(m, SideLoss)]
+    try:
+        for step in range(steps):
+            for side in sides:
+                side.steps, side.weight = step, 1.0
+                side.reset()
+            torch.compiler.set_stance("fail_on_recompile" if step in strict else "default")
+            loss(model).backward()
+    finally:
+        torch.compiler.set_stance("default")
+        torch._dynamo.reset()

@@ -12,7 +12,7 @@ import torch
 
 from tessera.models import family, num_params
 from tessera.models.deepseek import dsa
-from tests.hf_parity import assert_round_trip, import_hf, initialized
+from tests.hf_parity import assert_round_trip, assert_steps_do_not_recompile, import_hf, initialized
 
 DSV3 = family("deepseek_v3")
 V32 = {  # transformers' DeepseekV32Config fields; none is a preset
@@ -234,21 +234,8 @@ def test_compiled_sparse_blocks_compile_once_per_kind_not_per_block_or_step():
     recompile per block and per step and fall back to eager past dynamo's limit. After the first step (one graph per
     kind of block: the dense first, the MoE ones), a second warm-up step recompiles nothing; the first sparse step
     recompiles once (the warm-up's end), the next nothing."""
-    torch._dynamo.reset()
     model = _model()
     for attention in (m for m in model.modules() if getattr(m, "indexer", None) is not None):
         attention.dense_warmup_steps = 2
-    for block in model.layers.values():
-        block.compile(backend="eager")
-    sides = [m for m in model.modules() if m.__class__.__name__ == "SideLoss" and m.metric == "indexer_loss"]
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
-    try:
-        for step in range(4):
-            for side in sides:  # as the trainer sets them each step
-                side.steps, side.weight = step, 1.0
-                side.reset()
-            torch.compiler.set_stance("fail_on_recompile" if step in (1, 3) else "default")
-            model(tokens).float().logsumexp(-1).mean().backward()
-    finally:
-        torch.compiler.set_stance("default")
-        torch._dynamo.reset()
+    assert_steps_do_not_recompile(model, lambda m: m(tokens).float().logsumexp(-1).mean(), 4, {1, 3})

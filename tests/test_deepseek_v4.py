@@ -16,6 +16,7 @@ from tests.hf_parity import (
     assert_cached_decoding_equals_whole,
     assert_refused,
     assert_round_trip,
+    assert_steps_do_not_recompile,
     import_hf,
     initialized,
 )
@@ -242,22 +243,8 @@ def test_a_top_k_above_the_entries_says_so_in_one_line(caplog):
 def test_compiled_blocks_compile_once_per_kind_of_block_not_per_step():
     """Each block compiled (dynamo, eager backend): the first step compiles a graph per kind of block (sliding, CSA,
     HCA; hash-routed or not), the second recompiles nothing."""
-    torch._dynamo.reset()
-    model = _debug().train()
-    for block in model.layers.values():
-        block.compile(backend="eager")
-    sides = [m for m in model.modules() if m.__class__.__name__ == "SideLoss"]
     tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(1))
-    try:
-        for step in range(2):
-            for side in sides:  # as the trainer sets them each step
-                side.steps, side.weight = step, 1.0
-                side.reset()
-            torch.compiler.set_stance("fail_on_recompile" if step else "default")
-            model(tokens, labels=tokens).backward()
-    finally:
-        torch.compiler.set_stance("default")
-        torch._dynamo.reset()
+    assert_steps_do_not_recompile(_debug().train(), lambda m: m(tokens, labels=tokens), 2, {1})
 
 
 @pytest.mark.ranks
