@@ -1,11 +1,11 @@
 """The attention kernel on a GPU: FlexAttention (tessera/models/common/attention.py: flex_attend) against the
-materialized scores it replaces on CUDA, forward and backward, then side by side in time and memory.
+materialized scores, forward and backward, then side by side in time and memory.
 
     python benchmarks/check_flex_gpu.py [--seq_len 4096] [--cases a,b] [--out benchmarks/results/flex_gpu.json]
 
 1. Parity, fp32: sliding window + sinks (GPT-OSS), causal + sinks, chunks (Llama 4), packed documents, queries
    that are the last positions of the keys (a context-parallel rank's chunk), heads of 128, MLA's 192-wide heads
-   (which `attend` leaves to the materialized kernel); output and
+   (which `attend` leaves to the blockwise kernel); output and
    the gradients of q, k, v and the sinks, as max |error| / max |reference|. Then a GPT-OSS model, forward and
    backward with each kernel, eager and with its blocks compiled (FlexAttention inside a compiled block).
 2. Speed and memory, bf16, one attention layer of GPT-OSS 20b (64 heads, 8 KV heads, head 64, sinks; window 128
@@ -35,12 +35,11 @@ from tessera.models.common import attention  # noqa: E402
 DISPATCH = attention.attend  # on CUDA: flex_attend
 
 
-def materialized(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None):
-    n_q, n_k = q.shape[2], k.shape[2]
-    mask = attention.allowed(n_q, n_k, window, chunk, q.device)
-    if documents is not None:
-        mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
-    return attention.masked_attention(q, k, v, mask, scale, sinks)
+def materialized(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None, **_):
+    """The scores as a tensor under the mask (the suite's reference, tests/sparse_reference.py)."""
+    from tests.sparse_reference import masked_attention
+
+    return masked_attention(q, k, v, window, chunk, scale, sinks, documents)
 
 
 def run(kernel, q, k, v, sinks, grad, **kw):

@@ -5,8 +5,9 @@ projections scaled so that the same inputs would give logits times gamma = t / S
 the query's and the keys' parts without RoPE by sqrt(gamma) each, the query's RoPE part by gamma (the RoPE key is
 one head shared by all: untouched), the values by 1.
 
-The largest logit is taken where each attention kernel (CausalSDPA) is called, of the scores its mask lets through
-(causal, windows, chunks, documents), over the step's micro-batches (its recomputations under activation
+The largest logit is taken where each attention kernel (CausalSDPA) is called, of the scores it lets through (its
+mask: causal, windows, chunks, documents; DSA's selected keys; V4's entries), by the kernel itself
+(CausalSDPA.max_logits, block by block), over the step's micro-batches (its recomputations under activation
 checkpointing give the same), then over the data-parallel ranks, which saw other sequences; tensor parallelism's
 ranks each hold their heads, so each scales its own rows. Eval-mode forwards (validation, evaluation) are not
 counted. The scale of a sharded weight is applied to each rank's shard (any placement)."""
@@ -18,35 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tessera.models.common.attention import CausalSDPA, allowed, document_chunks
+from tessera.models.common.attention import CausalSDPA
 from tessera.tensors import plain_tensor
 
 Rule = Mapping[str, tuple[tuple[int, float], ...]]  # projection -> per head: (rows, power of gamma), in order
-QUERY_BLOCK = 256  # queries whose scores are materialized at once, per head
-
-
-@torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None, window: int = 0, chunk: int = 0,
-               documents: torch.Tensor | None = None) -> torch.Tensor:
-    """[heads]: the largest score q k^T * scale that the kernel's mask lets through, per query head (q [batch,
-    heads, n_q, dim], k [batch, kv heads, n_k, dim]; queries are the last n_q positions), in fp32, a block of
-    queries at a time."""
-    heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
-    k = k.repeat_interleave(heads // k.shape[1], dim=1).float()
-    scale = scale or q.shape[-1] ** -0.5
-    if documents is not None and chunk:
-        documents, chunk = document_chunks(documents, chunk), 0
-    mask = allowed(n_q, n_k, window, chunk, q.device)
-    best = q.new_full((heads,), float("-inf"), dtype=torch.float32)
-    for start in range(0, n_q, QUERY_BLOCK):
-        stop = min(start + QUERY_BLOCK, n_q)
-        scores = q[:, :, start:stop].float() @ k.transpose(-1, -2) * scale
-        ok = mask[start:stop]
-        if documents is not None:
-            ok = ok & (documents[:, n_k - n_q + start:n_k - n_q + stop, None] == documents[:, None, :])
-            ok = ok.unsqueeze(1)
-        best = torch.maximum(best, scores.masked_fill(~ok, float("-inf")).amax(dim=(0, 2, 3)))
-    return best
 
 
 def row_scales(gamma: torch.Tensor, segments: tuple[tuple[int, float], ...]) -> torch.Tensor:
@@ -87,7 +63,7 @@ class QKClip:
                 return
             q, k, _, *rest = args
             documents = rest[0] if rest else kwargs.get("documents")
-            found = max_logits(q, k, kernel.scale, kernel.window, kernel.chunk, documents)
+            found = kernel.max_logits(q, k, documents, kwargs.get("entries"), kwargs.get("selected"))
             held = self.seen.get(index)
             self.seen[index] = found if held is None else torch.maximum(held, found)
         return record

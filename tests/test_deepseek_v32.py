@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tessera.models import family, num_params
-from tessera.models.deepseek import dsa
 from tests.hf_parity import assert_round_trip, assert_steps_do_not_recompile, import_hf, initialized
 
 DSV3 = family("deepseek_v3")
@@ -100,13 +99,62 @@ def test_the_indexer_loss_trains_the_indexer_alone_and_the_warmup_attends_every_
         assert not torch.allclose(_model()(tokens), dense(tokens))  # after it, sparse
 
 
+def _sparse_inputs(model, block: str, tokens, documents=None):
+    """The inputs block `block`'s sparse attention gets in a forward of `model` (its _sparse's arguments), as leaves
+    that take gradients."""
+    layer = model.layers[block].attention
+    seen = []
+    sparse = layer._sparse
+    layer._sparse = lambda *a: seen.append(a) or sparse(*a)  # this test's layer only
+    try:
+        with torch.no_grad():
+            model(tokens, documents=documents)
+    finally:
+        del layer._sparse
+    x, q_latent, rope, q, k, v, _, docs = seen[0]
+    return layer, [t.detach().requires_grad_() for t in (x, q_latent, q, k, v)], rope, docs
+
+
 @pytest.mark.fast
-def test_the_kl_is_zero_where_the_indexer_matches_the_attention_and_positive_elsewhere():
-    probs = torch.softmax(torch.randn(2, 3, 5, 7), dim=-1)  # [batch, heads, queries, keys]
-    mask = torch.ones(2, 5, 7, dtype=torch.bool)
-    summed = dsa.HeadSum()(probs)
-    assert float(dsa.indexer_kl(summed, (summed / 3).log(), mask)) == pytest.approx(0.0, abs=1e-6)
-    assert float(dsa.indexer_kl(summed, torch.zeros(2, 5, 7), mask)) > 0.01
+@pytest.mark.parametrize("case", ["sparse", "sparse_packed", "warmup", "warmup_packed", "glm5_shared"])
+def test_sparse_attention_and_the_indexer_loss_equal_the_materialized_reference(case, monkeypatch):
+    """DSA as computed now (the top-k a block of queries at a time, the main attention over the selected keys in
+    the attention kernel, the KL a block at a time with its gradients) equals the materialized path it replaced
+    (scores over every key): output, indexer loss and the gradients of q, k, v and every indexer weight within
+    1e-5, sparse, in the dense warm-up, on packed documents, and in a GLM-5 block that reads an earlier one's
+    picks."""
+    from tessera.models.common import blockwise
+    from tests.sparse_reference import dsa_reference
+
+    monkeypatch.setattr(blockwise, "SCORES_PER_BLOCK", 1024)  # many blocks of queries and keys at this size
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 16)
+    flavor, block = ("glm5_debugmodel", "2") if case == "glm5_shared" else ("v32_debugmodel", "1")
+    args = dataclasses.replace(DSV3.flavors[flavor], vocab_size=64, max_seq_len=40, index_topk=7)
+    model = initialized(DSV3, args).train()
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 64, (2, 40), generator=gen)
+    documents = torch.tensor([[0] * 13 + [1] * 27, [0] * 30 + [1] * 10]) if "packed" in case else None
+    layer, (x, q_latent, q, k, v), rope, docs = _sparse_inputs(model, block, tokens, documents)
+    picked = None
+    if layer.indexer is None:  # GLM-5's shared block: the picks of the block before, as a mask
+        index = layer.selections.before(int(block))
+        picked = torch.zeros(*index.shape[:2], 41, dtype=torch.bool).scatter(-1, index.where(index >= 0, 40),
+                                                                              True)[..., :40]
+    else:
+        layer.indexer_loss.weight, layer.indexer_loss.values = 1.0, []
+        layer.dense_warmup_steps = 1 if "warmup" in case else 0
+    out = layer._sparse(x, q_latent, rope, q, k, v, None, docs)
+    want, kl, _ = dsa_reference(layer, x, q_latent, rope, q, k, v, docs, "warmup" in case, picked)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    weights = [q, k, v, *(layer.indexer.parameters() if layer.indexer is not None else ())]
+    grad = torch.randn_like(out, generator=gen)
+    ours = torch.autograd.grad((out * grad).sum(), weights)
+    theirs = torch.autograd.grad((want * grad).sum() + (kl if kl is not None else 0), weights)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if kl is not None:
+        assert float(layer.indexer_loss.values[0]) == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-8) and kl > 0
+        assert any(g.abs().sum() > 0 for g in ours[3:])
 
 
 @pytest.mark.fast

@@ -36,7 +36,29 @@ def _kda_inputs(bsz: int, seq: int, heads: int, dk: int, dv: int):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_sub_chunked_channel_decays_equal_the_pairwise_ones():
+    """KDA's chunk under a decay per channel, pairs across sub-chunks of 16 factored at the later one's start (no
+    [chunk, chunk, dk] tensor), equals every pair's decay materialized, within 1e-6, with document masks and
+    gradients; steep decays (exp(-40) across a chunk) stay finite."""
+    from tessera.models.common.deltanet import channel_decayed
+
+    gen = torch.Generator().manual_seed(6)
+    x, y = (torch.randn(2, 3, 64, 8, generator=gen, requires_grad=True) for _ in "xy")
+    cum = (-torch.rand(2, 3, 64, 8, generator=gen) * 1.3).cumsum(-2).requires_grad_()
+    docs = torch.tensor([[0] * 23 + [1] * 41, [0] * 64])
+    mask = torch.ones(64, 64, dtype=torch.bool).tril() & (docs[:, None, :, None] == docs[:, None, None, :])
+    pairwise = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()
+    want = torch.einsum("...id,...jd,...ijd->...ij", x, y, pairwise)
+    got = channel_decayed(x, y, cum, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    grad = torch.randn_like(got, generator=gen)
+    for a, b in zip(torch.autograd.grad(got, (x, y, cum), grad), torch.autograd.grad(want, (x, y, cum), grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunk", [1, 5, 16, 32, 64])
 def test_the_channel_gated_rule_equals_its_recurrence_and_transformers_values_and_gradients(chunk):
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 

@@ -140,6 +140,55 @@ def test_attention_masks_and_sinks_equal_the_spelled_out_softmax(window, chunk, 
         torch.testing.assert_close(sdpa(q[:, :, 7:], k, v), sdpa(q, k, v)[:, :, 7:], rtol=1e-5, atol=1e-5)
 
 
+# every mask kind the kernels take: (window, chunk, sinks, documents, queries: the last n_q of the keys)
+_MASKS = {"causal": (0, 0, False, False, 70), "causal_sinks": (0, 0, True, False, 70),
+          "window": (5, 0, False, False, 70), "window_sinks_offset": (6, 0, True, False, 23),
+          "chunks": (0, 8, False, False, 70), "documents": (0, 0, False, True, 70),
+          "documents_chunks_sinks": (0, 8, True, True, 70), "documents_window_offset": (5, 0, False, True, 41),
+          "decoding": (0, 0, True, False, 1)}
+
+
+@pytest.mark.parametrize("case", sorted(_MASKS))
+def test_blockwise_attention_equals_the_materialized_scores_with_gradients(case):
+    """The torch path of every mask (blockwise.py: an online softmax over blocks of 7 queries x 9 keys here, a
+    backward that recomputes each block) equals the scores materialized under the mask, output and gradients of
+    q, k, v and the sinks, within 1e-6 in fp32, with grouped heads."""
+    from tessera.models.common.attention import attend, key_sources
+    from tessera.models.common.blockwise import attention
+    from tests.sparse_reference import masked_attention
+
+    window, chunk, sinks, documents, n_q = _MASKS[case]
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, heads, 70, 8, generator=gen, requires_grad=True) for heads in (4, 2, 2))
+    s = torch.randn(4, generator=gen, requires_grad=True) if sinks else None
+    docs = torch.tensor([[0] * 20 + [1] * 33 + [2] * 17, [0] * 50 + [1] * 20]) if documents else None
+    sources, first, q_docs = key_sources(q[:, :, -n_q:], k, v, window, chunk, docs)
+    got = attention(q[:, :, -n_q:], sources, first, 0.3, s, q_docs, q_block=7, k_block=9)[0]
+    want = masked_attention(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(attend(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs), want, rtol=1e-6,
+                               atol=1e-6)  # the kernel's own blocks
+    leaves = [t for t in (q, k, v, s) if t is not None]
+    grad = torch.randn_like(got, generator=gen)
+    for ours, theirs in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_blockwise_attention_keeps_no_queries_by_keys_tensor():
+    """What autograd keeps of the blockwise kernel for backward grows with the sequence, not its square: at 4096
+    tokens it holds the inputs, the output and the log-sum-exp, under 1/20 of one [queries x keys] fp32 matrix."""
+    from tessera.models.common.attention import attend
+
+    q, k, v = (torch.randn(1, 2, 4096, 16, requires_grad=True) for _ in range(3))
+    docs = torch.zeros(1, 4096, dtype=torch.long)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        attend(q, k, v, window=1000, documents=docs)
+    assert sum(kept) < 4096 * 4096 * 4 / 20
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("window, chunk, sinks, documents", [(0, 0, False, False), (5, 0, True, False),
                                                              (0, 8, False, True), (5, 0, False, True),
@@ -148,7 +197,8 @@ def test_flex_attention_kernel_equals_the_materialized_one(window, chunk, sinks,
     """The CUDA kernel (FlexAttention, sinks folded in from its log-sum-exp), run here eagerly forward, equals
     the materialized scores for every mask, with grouped heads, and for queries that are the last positions of
     the keys (context parallel's chunks). Its backward needs a GPU: benchmarks/check_flex_gpu.py."""
-    from tessera.models.common.attention import attend, flex_attend
+    from tessera.models.common.attention import flex_attend
+    from tests.sparse_reference import masked_attention
 
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, n, 40, 16, generator=gen) for n in (4, 2, 2))
@@ -156,7 +206,7 @@ def test_flex_attention_kernel_equals_the_materialized_one(window, chunk, sinks,
     docs = torch.tensor([[0] * 9 + [1] * 20 + [2] * 11, [0] * 30 + [1] * 10]) if documents else None
     for n_q in (40, 24):  # the whole sequence; its last 24 positions
         got = flex_attend(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
-        want = attend(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
+        want = masked_attention(q[:, :, -n_q:], k, v, window, chunk, 0.3, s, docs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if sinks:  # and the sink mattered
         assert not torch.allclose(flex_attend(q[:, :, -24:], k, v, window, chunk, 0.3, None, docs), got, atol=1e-3)

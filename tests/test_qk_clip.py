@@ -10,8 +10,8 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.models import family
-from tessera.models.common.attention import allowed, document_chunks
-from tessera.qk_clip import QKClip, max_logits
+from tessera.models.common.attention import CausalSDPA, allowed, document_chunks
+from tessera.qk_clip import QKClip
 from tests.hf_parity import initialized
 
 pytestmark = pytest.mark.fast
@@ -28,7 +28,8 @@ def test_max_logits_are_the_largest_score_the_mask_lets_through():
             d = document_chunks(docs, chunk) if chunk else docs
             mask = mask & (d[:, :, None] == d[:, None, :])[:, None]
         want = scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
-        torch.testing.assert_close(max_logits(q, k, 0.3, window, chunk, docs), want)
+        kernel = CausalSDPA(window, chunk, scale=0.3)
+        torch.testing.assert_close(kernel.max_logits(q, k, docs), want)
 
 
 def _model(name: str, flavor: str):

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tessera import experts
 from tessera.distributed import World, mesh_world
 from tessera.memory import LiveBytes
-from tessera.models.common import attention
+from tessera.models.common import attention, sparse
 from tessera.models.common.decoder import Decoder
 from tessera.optim_state import state_bytes
 from tessera.parallel.fsdp import mixed_precision
@@ -60,18 +60,50 @@ def _forget_meshes() -> None:
 
 
 def gpu_attention(model: nn.Module) -> nn.Module:
-    """On CUDA, attention narrower than causal (windows, chunks, documents, sinks, context-parallel chunks) runs
-    on FlexAttention, which keeps no scores; on a CPU those scores are materialized. Traced for a GPU, such
-    attention is computed by flash SDPA instead, which keeps what FlexAttention keeps (output, log-sum-exp):
-    `model`'s attention kernels are given that function (attention.use_attention). Heads wider than 128 stay
-    materialized, as on CUDA (tessera.models.common.attention.attend)."""
-    return attention.use_attention(model, _flex_like)
+    """On CUDA no attention keeps scores: narrower masks (windows, chunks, documents, sinks, context-parallel chunks)
+    run on FlexAttention, heads wider than 128, selected keys (DSA) and compressed entries (DeepSeek V4) on the
+    blockwise kernel; on a CPU the blockwise kernel runs everything, a Python loop over blocks that would be slow to
+    trace at length. Traced for a GPU, attention is computed by flash SDPA where it takes the shapes, else by a
+    stand-in that keeps what a fused kernel keeps (its output and log-sum-exp): `model`'s attention kernels are
+    given that function (attention.use_attention)."""
+    return sparse.use_index_kernels(attention.use_attention(model, _flex_like), _fused_top_k, _fused_kl)
 
 
-def _flex_like(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None):
-    if q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
+def _fused_top_k(scoring, topk: int, stable: bool = False) -> torch.Tensor:
+    """A fused top-k's memory: the indices alone."""
+    return scoring.q.new_empty(*scoring.q.shape[:2], min(topk, scoring.k.shape[1]), dtype=torch.long)
+
+
+def _fused_kl(scoring, target, selected=None) -> torch.Tensor:
+    """sparse.indexer_kl's memory: its gradients, made with the loss, kept for backward."""
+    inputs = (scoring.q, scoring.k, scoring.w)
+    return sparse.WithGradients.apply(scoring.q.new_zeros((), dtype=torch.float32), 3, *inputs,
+                                    *(torch.empty_like(x) for x in inputs))
+
+
+def _flex_like(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None, entries=None,
+               selected=None):
+    chosen = selected if selected is not None else None if entries is None else entries.selected
+    if entries is None and selected is None and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-    return attention.attend(q, k, v, window, chunk, scale, sinks, documents, masks)
+    out = _Fused.apply(q, k, v, *(() if entries is None else (entries.kv,)))
+    return out if chosen is None else (out, q.new_empty(q.shape[0], q.shape[2], chosen.shape[-1]))
+
+
+class _Fused(torch.autograd.Function):
+    """A fused attention kernel's memory: it keeps its inputs, its output [batch, heads, n_q, dv] and one fp32
+    log-sum-exp per query and head, and its backward makes each input's gradient."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty(*q.shape[:-1], kv[1].shape[-1])
+        ctx.save_for_backward(q, *kv, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inputs = ctx.saved_tensors[:-2]
+        return tuple(torch.empty_like(t) for t in inputs)
 
 
 class EvenRouting(TorchDispatchMode):

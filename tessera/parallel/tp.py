@@ -73,7 +73,7 @@ class Replicated(ParallelStyle):
 
 class SummedOverRanks(ParallelStyle):
     """A module whose output, a sum over the heads a rank holds, is summed over the TP ranks (all heads'): forward
-    only, for a target no gradient flows through (DSA's indexer target, tessera.models.deepseek.dsa.HeadSum)."""
+    only, for a target no gradient flows through (DSA's indexer target, tessera.models.common.sparse.HeadSum)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()

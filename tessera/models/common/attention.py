@@ -2,12 +2,15 @@
 per-head RMSNorm of queries and keys before RoPE (Qwen 3), masks narrower than causal (a sliding window, chunks
 attended within, packed documents), learned attention sinks, and a key/value cache for incremental decoding.
 
-Two kernels compute the narrower masks with the same numbers: on CUDA, FlexAttention (blocks the mask rules out
-are skipped, no [queries, keys] scores are kept, and sinks are folded in exactly from its log-sum-exp); elsewhere,
-scores materialized under a boolean mask (FlexAttention has no backward on CPU)."""
+Every attention kind computes in one kernel module, `CausalSDPA`: masks, sinks, documents, DeepSeek's selected keys
+(DSA) and compressed entries (V4) are its inputs, so what wraps it (context parallel's swap, QK-clip's hook, the
+estimate's GPU-like kernel) reaches them all the same way. Two kernels compute the narrower masks with the same
+numbers: on CUDA, FlexAttention (blocks the mask rules out are skipped, no [queries, keys] scores are kept, and
+sinks are folded in exactly from its log-sum-exp); elsewhere, and for selections and entries, the blockwise kernel
+(tessera.models.common.blockwise: an online softmax over blocks of keys, FlexAttention has no backward on CPU)."""
 
 import functools
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,21 +18,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from tessera.models.common import blockwise
 from tessera.models.common.rope import apply_rope, document_positions, rope_rows
 
 
 def allowed(n_q: int, n_k: int, window: int = 0, chunk: int = 0, device=None) -> torch.Tensor:
-    """[n_q, n_k] bool: which keys each query sees. Queries are the last n_q of the n_k positions; each sees
-    the keys at or before it, only the last `window` of them (0: all), and only those of its own `chunk`
-    of positions (0: one chunk)."""
-    q = torch.arange(n_k - n_q, n_k, device=device)[:, None]
-    k = torch.arange(n_k, device=device)[None]
-    ok = k <= q
-    if window:
-        ok &= k > q - window
-    if chunk:
-        ok &= k // chunk == q // chunk
-    return ok
+    """[n_q, n_k] bool: which keys each query sees (blockwise.sees). Queries are the last n_q of the n_k
+    positions."""
+    return blockwise.sees(torch.arange(n_k - n_q, n_k, device=device)[:, None],
+                          torch.arange(n_k, device=device)[None], window, chunk)
 
 
 def document_chunks(documents: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -39,42 +36,57 @@ def document_chunks(documents: torch.Tensor, chunk: int) -> torch.Tensor:
     return (document_positions(documents) % chunk == 0).cumsum(1)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention where `mask` allows; `sinks` [heads]: a logit per head in every softmax's denominator (it takes
-    probability mass and holds no value), computed eagerly. Under TP a rank holds its heads' sinks (a DTensor)."""
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
-    sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return probs @ v
+@dataclass(frozen=True)
+class Entries:
+    """Keys beyond the sequence's own, DeepSeek V4's compressed entries: `kv` [batch, n, dim] (keys that are their
+    values), entry j compressing tokens [j rate, (j + 1) rate): a query sees it from its last token on, when its first
+    token is in the query's document (`documents` [batch, n]); `selected` [batch, queries, top-k]: the entries each
+    query reads (CSA's top-k, -1: none), in place of every visible one (HCA)."""
+    kv: torch.Tensor
+    rate: int
+    documents: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
-           scale: float | None = None, sinks: torch.Tensor | None = None,
-           documents: torch.Tensor | None = None, masks: "DocumentMasks | None" = None) -> torch.Tensor:
-    """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
-    own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
-    document's start), with `sinks`. FlexAttention on
-    CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared memory on an
-    H200) and other devices materialize the scores. Plain causal attention over whole sequences (Ulysses context
-    parallel's) is the fused kernel's."""
-    if q.shape[2] == k.shape[2] and not (window or chunk or sinks is not None or documents is not None):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-    if q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider heads overflow its tiles
-        return flex_attend(q, k, v, window, chunk, scale, sinks, documents, masks)
+def key_sources(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
+                documents: torch.Tensor | None = None, entries: Entries | None = None,
+                selected: torch.Tensor | None = None) -> tuple[list[blockwise.Keys], int, torch.Tensor | None]:
+    """What `attend`'s arguments ask, as the blockwise kernel's key sources: (sources, the first query's position,
+    the queries' documents). Queries are the last n_q of the n_k positions; `selected` [batch, n_q, top-k]: the keys
+    each reads (DSA's top-k), in place of the mask."""
     n_q, n_k = q.shape[2], k.shape[2]
     if documents is not None and chunk:
         documents, chunk = document_chunks(documents, chunk), 0
-    mask = allowed(n_q, n_k, window, chunk, q.device)
-    if documents is not None:  # [batch, 1 (heads), n_q, n_k]
-        mask = (mask & (documents[:, -n_q:, None] == documents[:, None, :])).unsqueeze(1)
-    return masked_attention(q, k, v, mask, scale, sinks)
+    sources = [blockwise.Keys(k, v, window=window, chunk=chunk, documents=documents, selected=selected)]
+    if entries is not None:
+        kv = entries.kv.unsqueeze(1)
+        sources.append(blockwise.Keys(kv, kv, first=entries.rate - 1, stride=entries.rate,
+                                      documents=entries.documents, selected=entries.selected))
+    return sources, n_k - n_q, None if documents is None else documents[:, -n_q:]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
+           scale: float | None = None, sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+           masks: "DocumentMasks | None" = None, entries: Entries | None = None,
+           selected: torch.Tensor | None = None):
+    """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
+    own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
+    document's start), with `sinks`; or, `selected` given, the keys it names; and `entries` (see Entries). Plain
+    causal attention over whole sequences (Ulysses context parallel's) is the fused kernel's; the narrower masks
+    FlexAttention's on CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared
+    memory on an H200), selections, entries and other devices the blockwise kernel's (blockwise.py: no [queries x
+    keys] tensor). -> the output [batch, heads, n_q, dv]; with a selection, (it, the selected keys' probabilities
+    summed over heads [batch, n_q, top-k])."""
+    chosen = selected is not None or (entries is not None and entries.selected is not None)
+    plain = entries is None and selected is None
+    if plain and q.shape[2] == k.shape[2] and not (window or chunk or sinks is not None or documents is not None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+    if plain and q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider overflow its tiles
+        return flex_attend(q, k, v, window, chunk, scale, sinks, documents, masks)
+    sources, q_first, q_docs = key_sources(q, k, v, window, chunk, documents, entries, selected)
+    sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+    out, _, picked = blockwise.attention(q, sources, q_first, scale or q.shape[-1] ** -0.5, sinks, q_docs, chosen)
+    return (out, picked) if chosen else out
 
 
 def _mask_rule(n_q: int, n_k: int, window: int, chunk: int, documents: torch.Tensor | None):
@@ -85,11 +97,7 @@ def _mask_rule(n_q: int, n_k: int, window: int, chunk: int, documents: torch.Ten
 
     def rule(b, h, q_idx, kv_idx):
         pos = q_idx + offset
-        ok = kv_idx <= pos
-        if window:
-            ok = ok & (kv_idx > pos - window)
-        if chunk:
-            ok = ok & (kv_idx // chunk == pos // chunk)
+        ok = blockwise.sees(pos, kv_idx, window, chunk)
         if documents is not None:
             ok = ok & (documents[b, pos] == documents[b, kv_idx])
         return ok
@@ -185,10 +193,11 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int =
 
 
 class CausalSDPA(nn.Module):
-    """The attention kernel, a module of its own so a parallelism (context parallel) can swap it. Queries are
-    the last positions of the keys (all of them in training; the new ones when decoding with a cache).
-    `window`/`chunk` narrow the causal mask (see `allowed`); `n_sinks` heads get a learned sink logit each,
-    a column every query attends that holds no value (it only takes probability mass), computed eagerly."""
+    """The attention kernel of every attention kind, a module of its own so that what wraps attention reaches one
+    thing: context parallel swaps it, QK-clip hooks it, the estimate gives it a GPU-like function. Queries are the
+    last positions of the keys (all of them in training; the new ones when decoding with a cache). `window`/`chunk`
+    narrow the causal mask (see `allowed`); `n_sinks` heads get a learned sink logit each, a column every query
+    attends that holds no value (it only takes probability mass)."""
 
     def __init__(self, window: int = 0, chunk: int = 0, n_sinks: int = 0, scale: float | None = None):
         super().__init__()
@@ -196,10 +205,19 @@ class CausalSDPA(nn.Module):
         self.sinks = nn.Parameter(torch.empty(n_sinks)) if n_sinks else None
         self.masks = DocumentMasks()  # its own until its model shares one among its kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """`documents` [batch, n_k]: each position's document number; queries then see only their own."""
-        return self.attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents, self.masks)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                entries: Entries | None = None, selected: torch.Tensor | None = None):
+        """q [batch, heads, n_q, dk], k and v [batch, kv heads, n_k, dk or dv]; `documents` [batch, n_k]: each
+        position's document number, queries then see only their own; `entries`, `selected`: see `attend` (a
+        selection returns (out, the selected keys' probabilities summed over this rank's heads))."""
+        return self.attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents, self.masks,
+                           entries=entries, selected=selected)
+
+    def max_logits(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None,
+                   entries: Entries | None = None, selected: torch.Tensor | None = None) -> torch.Tensor:
+        """[heads]: the largest score q k^T * scale of a key each query head sees (QK-clip's), in fp32."""
+        sources, q_first, q_docs = key_sources(q, k, k, self.window, self.chunk, documents, entries, selected)
+        return blockwise.max_logits(q, sources, q_first, self.scale or q.shape[-1] ** -0.5, q_docs)
 
     # The function it computes with: a kernel that replaces this one (context parallel) takes it, with the masks
     # and sinks; tessera.estimate gives its traced models one that holds what a GPU holds.

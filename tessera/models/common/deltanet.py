@@ -85,13 +85,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         reads = reads * (docs == prev)[..., None]
         writes = writes * (docs == docs[..., -1:])[..., None]
         carry = carry * (docs[..., -1:] == prev)
-    decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()
+    decay = None if channels else (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf")).exp()
 
     def decayed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """sum over channels of x_i y_j decayed from j to i, for j <= i in the same document (0 elsewhere)."""
         if not channels:
-            return (x @ y.transpose(-1, -2)) * decay[..., 0]
-        return torch.einsum("...id,...jd,...ijd->...ij", x, y, decay)
+            return (x @ y.transpose(-1, -2)) * decay
+        return channel_decayed(x, y, cum, mask)
 
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # (I + A) u = v_beta, (I + A) w = decayed k_beta, A strictly lower: the chunk's delta-rule updates solved at once
@@ -104,6 +104,29 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     out, s = (scan or delta_scan)(u, w, q_read, attn, k_write, carry, s)
     out = out.reshape(bsz, heads, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).to(dtype), s
+
+
+def channel_decayed(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, mask: torch.Tensor,
+                    sub: int = 16) -> torch.Tensor:
+    """[..., c, c]: sum over channels d of x[i, d] y[j, d] exp(cum[i, d] - cum[j, d]) where `mask` [.., c, c] holds
+    (j <= i, same document), a chunk's pairs under a decay per key channel (x, y, cum [..., c, dk], cum the log decay
+    from the chunk's start, non-increasing). Pairs within a sub-chunk of `sub` positions take their pairwise decays
+    ([.., sub, sub, dk] per sub-chunk, not [c, c, dk] per chunk); pairs across sub-chunks factor the decay at the
+    later sub-chunk's start r, exp(cum_i - r) exp(r - cum_j), both at most 1 (fla's sub-chunking), so they are
+    matrix products."""
+    c = x.shape[-2]
+    sub = sub if c % sub == 0 else c
+    parts, cums = x.unflatten(-2, (-1, sub)), cum.unflatten(-2, (-1, sub))  # [.., m, sub, dk]
+    pairs = (cums[..., :, None, :] - cums[..., None, :, :]).masked_fill(
+        ~torch.ones(sub, sub, dtype=torch.bool, device=x.device).tril()[..., None], float("-inf")).exp()
+    within = torch.einsum("...aid,...ajd,...aijd->...aij", parts, y.unflatten(-2, (-1, sub)), pairs)
+    rows = [F.pad(block, (a * sub, c - (a + 1) * sub)) for a, block in enumerate(within.unbind(-3))]
+    for a in range(1, c // sub):
+        start = cum[..., a * sub - 1:a * sub, :]  # the decay up to the sub-chunk's start
+        later = parts[..., a, :, :] * (cums[..., a, :, :] - start).exp()
+        earlier = y[..., :a * sub, :] * (start - cum[..., :a * sub, :]).exp()
+        rows[a] = rows[a] + F.pad(later @ earlier.transpose(-1, -2), (0, c - a * sub))
+    return torch.cat(rows, dim=-2) * mask
 
 
 def delta_scan(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, attn: torch.Tensor, k_write: torch.Tensor,

@@ -13,19 +13,32 @@ its only signal is that loss, and the language-model loss reaches the main model
 (`indexer_loss`, each layer's mean over its queries, weighted by `deepseek_v3.indexer_loss_weight`).
 
 GLM-5 (glm_moe_dsa) is the same mechanism, its indexer's RoPE dims in pairs, and some blocks without an indexer:
-they attend the keys the previous indexed block picked (`Selections`).
+they attend the keys the previous indexed block picked (`Selections`). The scoring, the top-k and the loss are shared
+with DeepSeek V4's CSA indexer (tessera/models/common/sparse.py); the main attention reads the selected keys through
+the attention kernel (CausalSDPA's `selected`). No [queries x keys] tensor is kept."""
 
-Computed with materialized scores and masks (any device): a reference path, not a sparse kernel."""
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.common.attention import KVCache
 from tessera.models.common.rope import apply_rope
+from tessera.models.common.sparse import LightningIndexer, Scoring
 
 
-class Indexer(nn.Module):
+def dense_probs(q: torch.Tensor, k: torch.Tensor, scale: float, scoring: Scoring, head_sum: nn.Module) -> Callable:
+    """`indexer_kl`'s target over every key a query may pick: the main attention's probabilities (q [batch, heads,
+    n_q, dim], k [batch, heads, n_k, dim], one softmax per head over the keys it sees, the same keys the indexer may
+    pick) summed over heads by `head_sum` (over TP's ranks too)."""
+    def target(i0: int, i1: int, end: int) -> torch.Tensor:
+        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, i0:i1], k[:, :, :end]).float() * scale
+        mask = scoring.mask(i0, i1, end).unsqueeze(1)
+        return head_sum(scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0))
+    return target
+
+
+class Indexer(LightningIndexer):
     def __init__(self, args):
         super().__init__()
         a, self.args = args, args
@@ -41,75 +54,36 @@ class Indexer(nn.Module):
         return torch.cat([apply_rope(turned, rope), kept], dim=-1)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor,
-                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [batch, n_q, n_k] in fp32, no mask applied; the new positions' keys [batch, seq, head dim]) of the
-        queries of `x` / `q_latent` (the main query's normed bottleneck) over the keys of `past` positions (cached,
-        when decoding) and of x's own."""
+                past: torch.Tensor | None = None) -> tuple[Scoring, torch.Tensor]:
+        """(the scoring of the queries of `x` / `q_latent` (the main query's normed bottleneck) over the keys of
+        `past` positions (cached, when decoding) and of x's own, queries at the last positions; the new positions'
+        keys [batch, seq, head dim])."""
         a = self.args
         bsz, seq, _ = x.shape
         new = self._rope(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)
         keys = new if past is None else torch.cat([past, new], dim=1)
         q = self._rope(self.wq_b(q_latent).view(bsz, seq, a.index_n_heads, a.index_head_dim), rope)
-        scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
-                        * a.index_head_dim ** -0.5)  # [batch, n_q, heads, n_k]
-        weights = self.weights_proj(x).float() * a.index_n_heads ** -0.5
-        return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2), new
-
-
-class HeadSum(nn.Module):
-    """The attention probabilities [batch, heads, n_q, n_k] summed over heads: the indexer's target. A module of
-    its own, so that tensor parallelism, whose ranks each hold some heads, sums the others' in
-    (tessera.parallel.tp.SummedOverRanks)."""
-
-    def forward(self, probs: torch.Tensor) -> torch.Tensor:
-        return probs.sum(1)
+        weights = self.weights_proj(x) * a.index_n_heads ** -0.5
+        return Scoring(q, weights, keys, a.index_head_dim ** -0.5, q_first=keys.shape[1] - seq), new
 
 
 class Selections:
-    """The keys each indexed block picked in the current forward, by block, for the blocks after it that share them
-    (GLM-5's "shared" blocks); one per model, its blocks' attention all holding it. Kept until the next forward
-    replaces them, so a block recomputed in backward (activation checkpointing) reads what its forward read."""
+    """The keys each indexed block picked in the current forward ([batch, queries, top-k] indices), by block, for
+    the blocks after it that share them (GLM-5's "shared" blocks); one per model, its blocks' attention all holding
+    it. Kept until the next forward replaces them, so a block recomputed in backward (activation checkpointing)
+    reads what its forward read."""
 
     def __init__(self, shared: bool):
         self.shared = shared  # some blocks share an earlier one's selection: the indexed blocks keep theirs here
-        self.masks: dict[int, torch.Tensor] = {}
+        self.picks: dict[int, torch.Tensor] = {}
         self.steps = 0  # the optimizer steps done (the indexed blocks' side losses know it; the others read it here)
 
     def before(self, layer_id: int) -> torch.Tensor:
-        earlier = [i for i in self.masks if i < layer_id]
+        earlier = [i for i in self.picks if i < layer_id]
         if not earlier:
             raise RuntimeError(f"block {layer_id} shares the keys of an earlier indexed block, and none ran before it "
                                f"in this forward")
-        return self.masks[max(earlier)]
-
-
-def selected(logits: torch.Tensor, allowed: torch.Tensor, topk: int, stable: bool = False) -> torch.Tensor:
-    """[batch, n_q, n_k] bool: the `topk` keys of each query's allowed ones that the indexer ranks highest (all of
-    them where fewer are allowed). `stable`: equal scores (the relu's zeros) go to the earlier key: which of them
-    topk picks depends on the shapes it runs on, so decoding, or a document packed elsewhere, could pick others."""
-    masked = logits.masked_fill(~allowed, float("-inf"))
-    k = min(topk, masked.shape[-1])
-    picks = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k] if stable else \
-        masked.topk(k, dim=-1).indices
-    return torch.zeros_like(allowed).scatter(-1, picks, True) & allowed
-
-
-def attention_with_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention where `mask` [batch, n_q, n_k] allows (every query allows its own key), and its probabilities
-    [batch, heads, n_q, n_k]."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    probs = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(dim=-1, dtype=torch.float32)
-    return probs.to(v.dtype) @ v, probs
-
-
-def indexer_kl(summed: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean over queries of KL(p || softmax(logits)) over the keys `mask` allows, p the heads' attention
-    probabilities `summed` [batch, n_q, n_k] (HeadSum's), L1-normalized there (no gradient)."""
-    p = summed.detach().masked_fill(~mask, 0.0)
-    p = p / p.sum(-1, keepdim=True).clamp(min=1e-20)
-    log_q = logits.masked_fill(~mask, float("-inf")).log_softmax(dim=-1).masked_fill(~mask, 0.0)
-    return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
+        return self.picks[max(earlier)]
 
 
 class IndexedCache(KVCache):

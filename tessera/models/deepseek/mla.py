@@ -4,12 +4,14 @@ expanded per head from one normed latent, and RoPE on a slice of each head whose
 turned where the args say so: Kimi Linear's NoPE). Values have a head size of their own. With `index_topk`, DeepSeek
 V3.2's sparse attention (tessera/models/deepseek/dsa.py)."""
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
-from tessera.models.common.attention import CausalSDPA, KVCache, allowed
+from tessera.models.common import sparse
+from tessera.models.common.attention import CausalSDPA, KVCache
 from tessera.models.common.rope import apply_rope, rope_rows
 from tessera.models.common.side_loss import SideLoss
 from tessera.models.deepseek import dsa
@@ -48,7 +50,7 @@ class MLA(nn.Module):
                 self.indexer = dsa.Indexer(a)
                 self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
             self.selections = dsa.Selections(bool(a.index_shared))  # the model shares one among its blocks
-            self.head_sum = dsa.HeadSum()
+            self.head_sum = sparse.HeadSum()
             self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -94,26 +96,29 @@ class MLA(nn.Module):
         indexer's KL loss to the attention's distribution is attached (its inputs detached: see dsa.py)."""
         if self.training:
             x, q_latent = x.detach(), q_latent.detach()
-        indexed = self.indexer is not None
-        logits = None
-        if indexed:
-            logits, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
+        scoring = None
+        if self.indexer is not None:
+            scoring, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
             if cache is not None:
                 cache.update_index(keys)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        mask = allowed(q.shape[2], k.shape[2], device=q.device).expand(q.shape[0], -1, -1)
-        if documents is not None:
-            mask = mask & (documents[:, -q.shape[2]:, None] == documents[:, None, :])
-        if indexed:
-            picked = dsa.selected(logits, mask, self.args.index_topk)
+            if documents is not None:
+                scoring = dataclasses.replace(scoring, q_documents=documents[:, -q.shape[2]:], k_documents=documents)
+            picked = self.indexer.top_k(scoring, self.args.index_topk)
             if self.selections.shared:  # GLM-5: blocks after this one attend what it picked
-                self.selections.masks[self._layer_id] = picked
+                self.selections.picks[self._layer_id] = picked
         else:
             picked = self.selections.before(self._layer_id)
-        if not (self.dense_warmup_steps and self._dense_now()):
-            mask = picked
-        out, probs = dsa.attention_with_probs(q, k, v, mask, self.sdpa.scale)
-        if self.training and indexed and self.indexer_loss.weight:
-            out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(probs.detach()), logits, mask))
+        if cache is not None:
+            k, v = cache.update(k, v)
+        dense = bool(self.dense_warmup_steps) and self._dense_now()
+        if dense:
+            out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
+        else:
+            out, probs = self.sdpa(q, k, v, documents, selected=picked)
+        if self.training and scoring is not None and self.indexer_loss.weight:
+            if dense:  # over every key the queries see
+                loss = self.indexer.kl(scoring, dsa.dense_probs(q, k, self.sdpa.scale, scoring, self.head_sum))
+            else:
+                loss = self.indexer.kl(scoring, self.head_sum(probs, summed=True), picked)
+            out = self.indexer_loss.attach(out, loss)
         return out

@@ -6,22 +6,24 @@ RoPE turns each head's trailing `rope_head_dim` dims in pairs; since values are 
 are turned back by the query's angle (so each value enters at its distance from the query). The output projection
 is grouped: heads in `o_groups` groups, each projected to `o_lora_rank`, then mixed to the model's width.
 
-CSA's indexer learns as DeepSeek V3.2's (tessera/models/deepseek/dsa.py), sparse: its scores, softmaxed over the
-entries it picked, fitted by KL to the heads' summed attention probabilities over them; its inputs detached.
+CSA's indexer learns as DeepSeek V3.2's (the scoring, top-k and loss are tessera/models/common/sparse.py's), sparse:
+its scores, softmaxed over the entries it picked, fitted by KL to the heads' summed attention probabilities over
+them; its inputs detached.
 
-Computed as a reference path on any device: the window's scores a block of `window` queries at a time (2 x window
-keys each), the compressed entries' scores materialized [queries, entries] (1 / rate of dense attention's), one
-softmax over both and the sink. Packed documents: a query sees no key before its document's start, and no entry
-whose window starts before it; CSA's reach back stops at a document's start. A document that starts on a multiple
-of the rates gets the entries it gets alone."""
+The attention computes in the shared kernel (CausalSDPA: the window over the sequence's key/value head, the
+entries, all visible (HCA) or those selected (CSA), one softmax over both and the sink), block by block: no
+[queries x keys] or [queries x entries] tensor. Packed documents: a query sees no key before its document's start,
+and no entry whose window starts before it; CSA's reach back stops at a document's start. A document that starts
+on a multiple of the rates gets the entries it gets alone."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.models.common import sparse
+from tessera.models.common.attention import CausalSDPA, Entries
 from tessera.models.common.side_loss import SideLoss
-from tessera.models.deepseek import dsa
 from tessera.models.deepseek.v4.args import CSA
 
 
@@ -83,9 +85,9 @@ class Compressor(nn.Module):
         return rope_tail(entries.unsqueeze(2), rope[..., :n * m:m, :, :]).squeeze(2)
 
 
-class Indexer(nn.Module):
+class Indexer(sparse.LightningIndexer):
     """CSA's lightning indexer: its own compressor (index_head_dim) over the same windows, queries from the query's
-    bottleneck; I[t, s] = sum_h w[t, h] / sqrt(H) * relu(q[t, h] . k[s] / sqrt(d))."""
+    bottleneck; I[t, s] = sum_h w[t, h] / sqrt(H) * relu(q[t, h] . k[s] / sqrt(d)) (sparse.Scoring's)."""
 
     def __init__(self, args):
         super().__init__()
@@ -95,14 +97,21 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores [batch, seq, entries] in fp32."""
+                documents: torch.Tensor | None = None) -> sparse.Scoring:
+        """The queries' scoring over the compressed entries (entry j picked from its window's last token on, in its
+        first token's document)."""
         bsz, seq, _ = x.shape
         keys = self.compressor(x, rope, documents)
         q = rope_tail(self.wq_b(q_latent).view(bsz, seq, self.heads, self.head_dim), rope)
-        scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float())) * self.head_dim ** -0.5
-        weights = self.weights_proj(x).float() * self.heads ** -0.5
-        return torch.einsum("bsht,bsh->bst", scores, weights)
+        rate = self.compressor.rate
+        return sparse.Scoring(q, self.weights_proj(x) * self.heads ** -0.5, keys, self.head_dim ** -0.5,
+                           first=rate - 1, stride=rate, q_documents=documents,
+                           k_documents=None if documents is None else entry_documents(documents, rate, keys.shape[1]))
+
+
+def entry_documents(documents: torch.Tensor, rate: int, n: int) -> torch.Tensor:
+    """[batch, n]: the document of each entry's first token (a query of another document never sees it)."""
+    return documents[:, :n * rate:rate]
 
 
 class SharedKV(nn.Module):
@@ -132,56 +141,6 @@ class GroupedLinear(nn.Linear):
         return torch.einsum("bsgi,goi->bsgo", x.unflatten(-1, (len(w), -1)), w).flatten(-2)
 
 
-class SinkAttention(nn.Module):
-    """The attention itself, holding a sink logit per head (a module of its own: under TP each rank keeps its
-    heads')."""
-
-    def __init__(self, heads: int, window: int, scale: float):
-        super().__init__()
-        self.window, self.scale = window, scale
-        self.sinks = nn.Parameter(torch.empty(heads))
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, keys_allowed, entries: torch.Tensor | None,
-                entries_allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return window_attention(q, kv, self.window, keys_allowed, entries, entries_allowed, local(self.sinks),
-                                self.scale)
-
-
-def window_attention(q: torch.Tensor, kv: torch.Tensor, window: int, keys_allowed, entries: torch.Tensor | None,
-                     entries_allowed: torch.Tensor | None, sinks: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [batch, seq, heads, dim], kv [batch, seq, dim]: each query over its window's keys (and, allowed,
-    `entries` [batch, n, dim]) and its head's sink, one softmax; (the output [batch, seq, heads, dim], the
-    entries' probabilities [batch, heads, seq, n] or None). `keys_allowed`: (query, key) -> bool on index tensors
-    of any shape (documents), None: all in the window."""
-    bsz, seq, heads, dim = q.shape
-    blocks = -(-seq // window)
-    pad = blocks * window - seq
-    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(bsz, blocks, window, heads, dim)
-    kvb = F.pad(kv, (0, 0, window, pad)).unfold(1, 2 * window, window).transpose(-1, -2)  # [b, blocks, 2w, d]
-    t = torch.arange(blocks * window, device=q.device).view(blocks, window, 1)
-    s = (torch.arange(blocks, device=q.device).view(blocks, 1, 1) - 1) * window + torch.arange(2 * window,
-                                                                                                device=q.device)
-    near = (t - s >= 0) & (t - s < window) & (s >= 0)  # [blocks, w, 2w]
-    allowed = near if keys_allowed is None else near & keys_allowed(t.clamp(max=seq - 1), s.clamp(0, seq - 1))
-    logits = [torch.einsum("bnqhd,bnkd->bnhqk", qb, kvb).float() * scale]
-    masks = [allowed.unsqueeze(-3)]
-    if entries is not None:
-        ec = torch.einsum("bshd,btd->bhst", F.pad(q, (0, 0, 0, 0, 0, pad)), entries).float() * scale
-        logits.append(ec.unflatten(2, (blocks, window)).transpose(1, 2))  # [b, blocks, heads, w, n]
-        em = F.pad(entries_allowed, (0, 0, 0, pad)).unflatten(1, (blocks, window))  # [b, blocks, w, n]
-        masks.append(em.unsqueeze(-3))
-    logits = [x.masked_fill(~m, float("-inf")) for x, m in zip(logits, masks, strict=True)]
-    sink = sinks.float().view(1, 1, heads, 1, 1).expand(bsz, blocks, heads, window, 1)
-    probs = torch.cat([*logits, sink], dim=-1).softmax(dim=-1).to(q.dtype)
-    out = torch.einsum("bnhqk,bnkd->bnqhd", probs[..., :2 * window], kvb)
-    if entries is None:
-        return out.flatten(1, 2)[:, :seq], None
-    entry_probs = probs[..., 2 * window:-1]
-    out = out + torch.einsum("bnhqt,btd->bnqhd", entry_probs, entries)
-    return out.flatten(1, 2)[:, :seq], entry_probs.transpose(1, 2).flatten(2, 3)[:, :, :seq]
-
-
 class V4Attention(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -193,7 +152,7 @@ class V4Attention(nn.Module):
         self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=a.norm_eps)
         self.wq_b = nn.Linear(a.q_lora_rank, a.n_heads * a.head_dim, bias=False)
         self.kv = SharedKV(a.dim, a.head_dim, a.norm_eps)
-        self.core = SinkAttention(a.n_heads, a.window, a.head_dim ** -0.5)
+        self.sdpa = CausalSDPA(window=a.window, n_sinks=a.n_heads, scale=a.head_dim ** -0.5)
         self.wo_a = GroupedLinear(a.n_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank, a.o_groups)
         self.wo_b = nn.Linear(a.o_groups * a.o_lora_rank, a.dim, bias=False)
         csa = a.layer_types[layer_id] == CSA
@@ -201,7 +160,7 @@ class V4Attention(nn.Module):
         self.indexer = Indexer(a) if csa else None
         if csa:  # its loss: KL to the heads' attention over the entries it picked (DeepSeek V3.2's, sparse)
             self.indexer_loss = SideLoss("indexer_loss", "deepseek_v4.indexer_loss_weight")
-            self.head_sum = dsa.HeadSum()
+            self.head_sum = sparse.HeadSum()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -217,33 +176,24 @@ class V4Attention(nn.Module):
         q = unweighted_rms(self.wq_b(q_latent).unflatten(-1, (-1, self.head_dim)), self.eps)
         q = rope_tail(q, rope)
         kv = rope_tail(self.kv(x).unsqueeze(2), rope).squeeze(2)
-        same_doc = None
-        if documents is not None:
-            if cache is not None:
-                raise ValueError("decoding packed documents is not supported")
-            same_doc = lambda t, s: documents[:, t] == documents[:, s]  # noqa: E731
-        entries = allowed = scores = None
+        if documents is not None and cache is not None:
+            raise ValueError("decoding packed documents is not supported")
+        entries = scoring = None
         if self.compressor is not None:
-            entries = self.compressor(x, rope, documents)
-            allowed = self._entries_allowed(seq, len(entries[0]), documents, x.device)
+            compressed = self.compressor(x, rope, documents)
+            n = compressed.shape[1]
+            selected = None
             if self.indexer is not None:  # its inputs detached: its only signal is its own loss
-                scores = self.indexer(x.detach(), q_latent.detach(), rope, documents)
-                allowed = dsa.selected(scores, allowed.expand_as(scores), self.topk, stable=True)
-            else:
-                allowed = allowed.expand(x.shape[0], -1, -1)
-        out, entry_probs = self.core(q, kv, same_doc, entries, allowed)
-        out = rope_tail(out[:, -new:], rope[..., -new:, :, :], inverse=True)
+                scoring = self.indexer(x.detach(), q_latent.detach(), rope, documents)
+                selected = self.indexer.top_k(scoring, self.topk, stable=True)
+            entries = Entries(compressed, self.rate, None if documents is None else
+                              entry_documents(documents, self.rate, n), selected)
+        kv = kv.unsqueeze(1)  # [batch, 1 head, seq, dim]: keys that are their values
+        out = self.sdpa(q.transpose(1, 2), kv, kv, documents, entries=entries)
+        out, probs = out if scoring is not None else (out, None)
+        out = rope_tail(out.transpose(1, 2)[:, -new:], rope[..., -new:, :, :], inverse=True)
         out = self.wo_b(self.wo_a(out.flatten(2)))
-        if scores is not None and self.training and self.indexer_loss.weight:
-            out = self.indexer_loss.attach(out, dsa.indexer_kl(self.head_sum(entry_probs.detach()), scores, allowed))
+        if scoring is not None and self.training and self.indexer_loss.weight:
+            loss = self.indexer.kl(scoring, self.head_sum(probs, summed=True), entries.selected)
+            out = self.indexer_loss.attach(out, loss)
         return out
-
-    def _entries_allowed(self, seq: int, n: int, documents: torch.Tensor | None, device) -> torch.Tensor:
-        """[1 or batch, seq, n]: entry w is query t's once its window has passed ((w + 1) rate <= t + 1) and, with
-        documents, when its window starts in t's document (so it holds no token before it: see Compressor)."""
-        t = torch.arange(seq, device=device).view(-1, 1)
-        w = torch.arange(n, device=device)
-        allowed = ((w + 1) * self.rate <= t + 1).unsqueeze(0)
-        if documents is None:
-            return allowed
-        return allowed & (documents[:, w * self.rate].unsqueeze(1) == documents.unsqueeze(-1))

@@ -16,7 +16,7 @@ _LAYER = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_n
           **{f"{ours}_hc.{p}": f"hc_{theirs}_{p}" for ours, theirs in (("attention", "attn"), ("ffn", "ffn"))
              for p in ("fn", "base", "scale")},
           "attention.kv.wkv.weight": "attn.wkv.weight", "attention.kv.norm.weight": "attn.norm.weight",
-          "attention.core.sinks": "attn.attn_sink", "feed_forward.router.gate.weight": "ffn.gate.weight",
+          "attention.sdpa.sinks": "attn.attn_sink", "feed_forward.router.gate.weight": "ffn.gate.weight",
           "feed_forward.expert_bias": "ffn.gate.bias", "feed_forward.hash_experts": "ffn.gate.tid2eid",
           **{f"feed_forward.shared.{w}.weight": f"ffn.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")}}
 _BACK = {v: k for k, v in _LAYER.items()}

@@ -23,7 +23,7 @@ def block_tp_plan(head_dim: int):
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                             use_local_output=True),
             "attention.wq_a": Replicated(), "attention.q_norm": Replicated(), "attention.wq_b": ColwiseParallel(),
-            "attention.kv": Replicated(sum_grad_columns=head_dim), "attention.core": ShardedByHead(),
+            "attention.kv": Replicated(sum_grad_columns=head_dim), "attention.sdpa": ShardedByHead(),
             "attention.wo_a": ShardedByHead(), "attention.wo_b": RowwiseParallel(output_layouts=Shard(1))}
 
     def of(block) -> dict:
