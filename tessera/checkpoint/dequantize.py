@@ -12,13 +12,19 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 
 from tessera.checkpoint.mxfp4 import FP4
-from tessera.checkpoint.quantization import Quantized, stored_parts
+from tessera.checkpoint.quantization import Quantized, headers, stored_parts
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # the rest (float8, e8m0) only as what they dequantize to, fp32
 
 
 class DequantizingReader(HuggingFaceStorageReader):
@@ -30,21 +36,22 @@ class DequantizingReader(HuggingFaceStorageReader):
         self.quantized = quantized
         self.files: dict[str, str] = {}  # stored tensor -> its file
 
-    def read_metadata(self):
-        metadata = super().read_metadata()
-        self.files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
-        hidden = stored_parts(self.quantized) - self.quantized.keys()
-        for index in [i for i in metadata.storage_data if i.fqn in hidden or i.fqn in self.quantized]:
-            del metadata.storage_data[index]
-        for name in hidden:
-            metadata.state_dict_metadata.pop(name, None)
-        for name, q in self.quantized.items():
-            size = torch.Size(q.shape)
-            metadata.state_dict_metadata[name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch.float32), size=size,
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=size)])
-            metadata.storage_data[MetadataIndex(name, [0, 0])] = _HFStorageInfo(self.files[q.data], size,
-                                                                                torch.float32)
+    def read_metadata(self) -> Metadata:
+        """From the files' headers (DCP's own reader knows no e8m0 scales): every stored tensor but the quantized
+        weights' parts, each quantized weight as one fp32 tensor of its dequantized shape."""
+        tensors, storage = {}, {}
+        stored = headers(str(self.path))
+        self.files = {name: path for name, (_, _, path, _) in stored.items()}
+        shown = {n: (_DTYPES.get(dtype, torch.float32), shape, path) for n, (dtype, shape, path, _) in stored.items()
+                 if n not in stored_parts(self.quantized)}
+        shown.update({n: (torch.float32, q.shape, self.files[q.data]) for n, q in self.quantized.items()})
+        for name, (kind, shape, path) in shown.items():
+            size = torch.Size(shape)
+            tensors[name] = TensorStorageMetadata(properties=TensorProperties(dtype=kind), size=size,
+                                                  chunks=[ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+            storage[MetadataIndex(name, [0] * len(size))] = _HFStorageInfo(path, size, kind)
+        metadata = Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=StorageMeta())
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _process_read_request(self, f, req, planner) -> None:

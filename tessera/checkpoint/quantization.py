@@ -122,9 +122,10 @@ def _compressed(folder: str, quant: dict, stored: dict) -> dict[str, Quantized]:
     formats = {g.get("format") or quant.get("format") for g in groups} or {quant.get("format")}
     kinds = {(g.get("weights") or {}).get("type", "int") for g in groups}
     if formats != {"pack-quantized"} or kinds - {"int"}:
-        raise ValueError(f"{os.path.join(folder, 'config.json')}: compressed-tensors format {sorted(map(str, formats))}"
-                         f" of {sorted(kinds)} weights; Tessera dequantizes pack-quantized int weights (Kimi K2.5's "
-                         f"INT4) as it reads them, not these; pass bf16 weights")
+        what = ", ".join(sorted(map(str, formats))) + (f" ({', '.join(sorted(kinds))} weights)" if kinds else "")
+        raise ValueError(f"{os.path.join(folder, 'config.json')}: quantization_config format {what} of "
+                         f"compressed-tensors; Tessera dequantizes its pack-quantized int weights (Kimi K2.5's INT4) "
+                         f"as it reads them, not these; pass bf16 weights")
     widths = sorted({int((g.get("weights") or {}).get("num_bits", 4)) for g in groups}) or [4]
     out = {}
     for packed in sorted(n for n in stored if n.endswith(".weight_packed")):
