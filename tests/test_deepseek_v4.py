@@ -249,3 +249,70 @@ def test_the_trainer_imports_and_exports_hf_under_pp_and_ep(tmp_path):
     for key, value in theirs.state_dict().items():
         if "rotary_emb" not in key:
             torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+
+
+def _mtp_model():
+    """debugmodel_mtp (two depths: a CSA block, then a sliding one), its mixing weights and norms perturbed."""
+    model = initialized(V4, dataclasses.replace(V4.flavors["debugmodel_mtp"], vocab_size=60, max_seq_len=64))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".base", ".scale", "norm.weight")):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return model
+
+
+def _reference_depths(model, tokens) -> list[torch.Tensor]:
+    """The MTP depths written from the release's equations (its MTPBlock; its code, with GPU kernels, is not ours to
+    copy): depth k at slots 0..S-k-1 takes the previous depth's streams there (the trunk's before hc_head first) and
+    the tokens k..S-1: e = enorm(embed(token)); each stream hnorm'd and h_proj'd, e_proj(e) added to each; the block;
+    its own hc_head (sigmoid(rms(streams) fn x scale + base) + eps weighting the streams) and norm; the shared head."""
+    a, out = model.args, []
+    streams = model.hidden(tokens)
+    for k, depth in enumerate(model.mtp.values(), 1):
+        n = tokens.shape[1] - k
+        e = torch.nn.functional.rms_norm(model.tok_embeddings(tokens[:, k:]), (a.dim,), depth.enorm.weight, a.norm_eps)
+        h = torch.nn.functional.rms_norm(streams[:, :n].unflatten(-1, (a.hc_mult, a.dim)), (a.dim,),
+                                         depth.hnorm.weight, a.norm_eps)
+        x = (h @ depth.h_proj.weight.T + (e @ depth.e_proj.weight.T).unsqueeze(2)).flatten(2)
+        streams = depth.block(x, model.rope)
+        flat = streams * torch.rsqrt(streams.square().mean(-1, keepdim=True) + a.norm_eps)
+        pre = torch.sigmoid(flat @ depth.hc_head.fn.T * depth.hc_head.scale + depth.hc_head.base) + a.hc_eps
+        collapsed = (pre.unsqueeze(-1) * streams.unflatten(-1, (a.hc_mult, a.dim))).sum(2)
+        out.append(model.head(torch.nn.functional.rms_norm(collapsed, (a.dim,), depth.norm.weight, a.norm_eps)))
+    return out
+
+
+def test_mtp_depths_equal_the_release_equations_and_respect_packed_documents():
+    """Each depth's logits equal the reference above; a document packed after another gets the depths' logits it gets
+    alone (the tokens, positions and documents read ahead are its own)."""
+    from tessera.models.common.rope import document_positions
+
+    model = _mtp_model().eval()
+    tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = model.mtp_logits(model.hidden(tokens), tokens)
+        for k, (ours, want) in enumerate(zip(got, _reference_depths(model, tokens), strict=True), 1):
+            assert ours.shape == (2, 32 - k, 60)
+            torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+        documents = torch.tensor([[0] * 8 + [1] * 24])
+        positions = document_positions(documents)[0]
+        packed = torch.cat([tokens[:1, :8], tokens[1:, :24]], dim=1)
+        together = model.mtp_logits(model.hidden(packed, documents=documents, positions=positions), packed, documents,
+                                    positions)
+        alone = model.mtp_logits(model.hidden(tokens[1:, :24]), tokens[1:, :24])
+    for t, a in zip(together, alone, strict=True):
+        torch.testing.assert_close(t[:, 8:], a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_the_mtp_loss_is_the_weighted_mean_of_the_depths_cross_entropies_and_trains_the_depths():
+    """Computed by hand from mtp_logits, within 1e-5; both depths get gradients."""
+    model = _mtp_model().train()
+    tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(5))
+    model.mtp_loss.weight = 0.3
+    model(tokens).mean().backward()  # without labels: depth k's targets are the tokens k + 1 on
+    with torch.no_grad():
+        depths = [torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, k + 1:].flatten())
+                  for k, out in enumerate(model.mtp_logits(model.hidden(tokens), tokens), 1)]
+    torch.testing.assert_close(model.mtp_loss.total, torch.stack(depths).mean(), rtol=1e-5, atol=1e-6)
+    assert all(model.mtp[k].e_proj.weight.grad.abs().sum() > 0 for k in ("0", "1"))

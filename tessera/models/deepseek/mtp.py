@@ -92,19 +92,19 @@ class MTPDecoder:
     def mtp_hidden(self, state: torch.Tensor, tokens: torch.Tensor | None, documents: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None, embeddings: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each depth's head input [batch, seq, dim] (k = 1, 2...), from the trunk's `state` (trunk_out's) and the
-        input tokens; each depth takes the state the one before passes on. Its slot i holds token i + k (its
-        document and position are that token's); its last k slots, past the window, repeat the last token and
-        train nothing. Whole-length, a depth's sequence splits over TP and CP like the trunk's. On a pipeline's
-        last stage the inputs' `embeddings` (the first stage's, whole sequences: PP with MTP runs without TP and
-        CP) are shifted instead of embedding the tokens read ahead."""
+        input tokens; each depth takes the state the one before passes on. Its slot i joins the state at slot i
+        with the embedding of token i + k, in slot i's document and at its position (so a packed document's depth
+        slots see only states of that document, as it alone would); its last k slots, past the window, repeat the
+        last token and train nothing. Whole-length, a depth's sequence splits over TP and CP like the trunk's. On a
+        pipeline's last stage the inputs' `embeddings` (the first stage's, whole sequences: PP with MTP runs without
+        TP and CP) are shifted instead of embedding the tokens read ahead."""
         out, ahead = [], self.lookahead.ahead
+        rope = self.rope if positions is None else self.rope[positions]
         for k, depth in enumerate(self.mtp.values(), 1):
-            rope = self.rope if positions is None else self.rope[ahead(positions, k)]
-            docs = None if documents is None else ahead(documents, k)
             if embeddings is None:
                 inputs = self.tok_embeddings(ahead(tokens, k))
             else:  # the tokens' shift, on their embeddings (along the sequence, dim 1)
                 inputs = Lookahead.shift(embeddings.transpose(1, 2), k).transpose(1, 2)
-            state, h = depth(state, inputs, rope, docs)
+            state, h = depth(state, inputs, rope, documents)
             out.append(h)
         return out
