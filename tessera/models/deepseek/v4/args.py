@@ -122,14 +122,16 @@ def _types(n_layers: int, first: list[str]) -> list[str]:
 
 _YARN = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
          "beta_slow": 1, "attention_factor": 1.0}
+# for tests and CPU runs: one block of each attention, a hash-routed block first; compressed entries of 4 and 8 tokens,
+# a window of 8
+_DEBUG = DeepSeekV4Args(dim=64, n_layers=4, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2,
+                        o_lora_rank=16, window=8, layer_types=[SLIDING, CSA, HCA, CSA], csa_rate=4, hca_rate=8,
+                        index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2, hc_sinkhorn_iters=5,
+                        moe_hidden=32, n_experts=8, top_k=2, mlp_layer_types=[HASH, TOPK, TOPK, TOPK], vocab_size=0)
 FLAVORS = {
-    # for tests and CPU runs: one block of each attention, a hash-routed block first; compressed entries of 4 and
-    # 8 tokens, a window of 8
-    "debugmodel": DeepSeekV4Args(dim=64, n_layers=4, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32,
-                                 o_groups=2, o_lora_rank=16, window=8, layer_types=[SLIDING, CSA, HCA, CSA],
-                                 csa_rate=4, hca_rate=8, index_n_heads=2, index_head_dim=16, index_topk=4,
-                                 hc_mult=2, hc_sinkhorn_iters=5, moe_hidden=32, n_experts=8, top_k=2,
-                                 mlp_layer_types=[HASH, TOPK, TOPK, TOPK], vocab_size=0),
+    "debugmodel": _DEBUG,
+    # with two MTP depths (the first a CSA block, the second sliding)
+    "debugmodel_mtp": dataclasses.replace(_DEBUG, n_mtp=2, mtp_layer_types=[CSA, SLIDING]),
     # deepseek-ai/DeepSeek-V4-Flash: 284B parameters, 13B active; its one MTP depth beside them
     "Flash": DeepSeekV4Args(rope_scaling=_YARN, max_seq_len=4096,
                             layer_types=_types(43, [SLIDING, SLIDING]), n_mtp=1),
@@ -137,6 +139,4 @@ FLAVORS = {
     "Pro": DeepSeekV4Args(dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16, n_experts=384,
                           moe_hidden=3072, rope_scaling=_YARN, layer_types=_types(61, [HCA, HCA]), n_mtp=1),
 }
-# the debug model with two MTP depths (the first a CSA block, the second sliding)
-FLAVORS["debugmodel_mtp"] = dataclasses.replace(FLAVORS["debugmodel"], n_mtp=2, mtp_layer_types=[CSA, SLIDING])
 TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_mtp"}
