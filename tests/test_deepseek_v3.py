@@ -390,6 +390,7 @@ def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list
     kimi = ["--model.name", "kimi_linear", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2",
             "--kimi_linear.chunk_size", "8"]
     v4 = ["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2"]
+    v4_mtp = [*v4[:3], "debugmodel_mtp", *v4[4:]]
     ulysses = [*cp, "--parallelism.context_parallel_method", "ulysses"]
     return {"Kimi Linear EP 2 x FSDP 4, op AC": (kimi, [batch, "2", *ep, *op_ac]),
             "Kimi Linear PP 2 x EP 2 x FSDP": (kimi, [batch, "4", *ep, *pp]),
@@ -398,7 +399,8 @@ def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list
             "Kimi Linear Ulysses CP 2 x EP 2, documents": (_packed(tmp_path, kimi), [batch, "4", *ulysses, *ep]),
             "V4 EP 2 x FSDP 4, op AC": (v4, [batch, "2", *ep, *op_ac]),
             "V4 PP 2 x EP 2 x FSDP": (v4, [batch, "4", *ep, *pp]),
-            "V4 TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *ep, *tp])}
+            "V4 TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *ep, *tp]),
+            "V4 MTP PP 2 x EP 2 x FSDP": (v4_mtp, [batch, "4", *ep, *pp])}
 
 
 @pytest.mark.ranks
@@ -422,7 +424,8 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     (its losses, grad norms and step-1 gradients). DeepSeek V4 (sliding, CSA and HCA blocks, mHC streams, a
     hash-routed block): EP 2 x FSDP 4 under op AC, PP 2 x EP 2 x FSDP (the hash-routed block on the first stage), and
     on packed documents TP 2 x EP 2 x FSDP 2 (query heads split, the key/value head, compressors and indexer whole,
-    hash routing's token ids cut like the tokens)."""
+    hash routing's token ids cut like the tokens); its two MTP depths under PP 2 x EP 2 x FSDP (on the last stage, fed
+    the first stage's embeddings)."""
     from tests.launch import assert_matches, one_process, run_cases
     from tests.test_speed_features import LOW_PRECISION_TOL
 

@@ -2,7 +2,8 @@
 folder's text model (`Kimi_K25ForConditionalGeneration`; not a preset) read as transformers saved it (its blocks
 named `blocks.N`, the head tied by the top level's default) and as released (`layers.N`, text_config model_type
 kimi_k2): logits, the DeepseekV3ForCausalLM export and greedy generation equal transformers'; the vision tower left
-out with one line; INT4 weights refused in one line."""
+out with one line; a compressed-tensors form other than pack-quantized ints refused in one line (K2.5's INT4:
+tests/test_quantized_releases.py)."""
 
 import json
 import logging
@@ -54,7 +55,7 @@ def test_a_kimi_k25_folder_transformers_saved_loads_its_text_model(tmp_path, cap
     assert_round_trip(theirs, ours, args, transformers.DeepseekV3ForCausalLM, tmp_path / "in", tmp_path)
 
 
-def test_the_released_layout_loads_and_int4_weights_are_refused(tmp_path):
+def test_the_released_layout_loads_and_other_compressed_forms_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     theirs = _kimi(tmp_path / "saved", tie_word_embeddings=False)
@@ -70,9 +71,9 @@ def test_the_released_layout_loads_and_int4_weights_are_refused(tmp_path):
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     (released / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFError, match="quantization_config quant_method = 'compressed-tensors'; Tessera dequantizes "
-                                      "fp8 \\(block\\) and mxfp4 weights as it reads them, not these"):
+    with pytest.raises(HFError, match="config.json: quantization_config format nvfp4-pack-quantized of "
+                                      "compressed-tensors; Tessera dequantizes its pack-quantized int weights"):
         import_hf("deepseek_v3", released)
     assert not args.tie_embeddings  # the top level says false here

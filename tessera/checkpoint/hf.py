@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera import models
-from tessera.checkpoint import mxfp4, plain
+from tessera.checkpoint import mxfp4, plain, quantization
+from tessera.checkpoint.dequantize import DequantizingReader
 from tessera.lora import is_adapter
 
 log = logging.getLogger("tessera")
@@ -227,7 +227,11 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
     if diffs:
         raise HFError(f"{folder / 'config.json'} describes another model than the one built, in {len(diffs)} "
                       f"field(s): {'; '.join(diffs)}; build config.json's architecture (leave model.flavor empty)")
-    reader = _reader(folder)
+    try:  # the quantized weights, checked: a missing or misshapen scale is named before anything is read
+        packed = quantization.describe(str(folder))
+    except ValueError as e:
+        raise HFError(str(e)) from None
+    reader = DequantizingReader(str(folder), packed) if packed else HuggingFaceStorageReader(str(folder))
     try:
         saved = reader.read_metadata().state_dict_metadata
     except Exception as e:  # safetensors raises its own error types, for a truncated file or a bad header
@@ -244,27 +248,14 @@ def load_hf(model: nn.Module, path: str | os.PathLike, family: str | None = None
         log.warning(f"{folder}: {fit.note}")
     with torch.device("meta"):  # the whole model under the checkpoint's names, as the adapter lays it out
         whole = to_hf(_without(fam.spec().model(args).state_dict(), fit.fresh))
-    scales = {n for n in saved if n.endswith(_SCALE)}
-    if scales and not isinstance(reader, QuantizedHuggingFaceStorageReader):
-        raise HFError(f"'{folder}' holds block-quantization scales ('{min(scales)}') but its config.json has no "
-                      f"fp8 quantization_config with weight_block_size; add it or pass dequantized weights")
-    for name in scales:
-        if name.removesuffix(_SCALE) + ".weight" not in saved:
-            raise HFError(f"scale '{name}' in '{folder}' has no weight beside it")
     quantized = mxfp4.packed(saved)
-    if quantized and _quantization(folder).get("quant_method") != "mxfp4":
+    if quantized and quantization.quantization_config(str(folder)).get("quant_method") != "mxfp4":
         raise HFError(f"'{folder}' holds MXFP4 blocks ('{min(quantized)}{mxfp4.BLOCKS}') but its config.json has no "
                       f"mxfp4 quantization_config; add it or pass dequantized weights")
-    method = _quantization(folder).get("quant_method")
-    if method not in (None, "fp8", "mxfp4"):
-        raise HFError(f"{folder / 'config.json'}: quantization_config quant_method = {method!r}; Tessera dequantizes "
-                      f"fp8 (block) and mxfp4 weights as it reads them, not these; pass dequantized (bf16) weights")
     parts = {n + suffix for n in quantized for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)}
     sizes = {**{n: tuple(m.size) for n, m in saved.items() if n not in parts},
              **{n: mxfp4.shape(saved, n) for n in quantized}}
     for name in sizes:
-        if name in scales:
-            continue
         if name not in whole:
             ours = _our_name(names, name, whole)
             raise HFError(f"unexpected tensor '{name}' in '{folder}': " + (
@@ -318,33 +309,6 @@ def by_experts(state: dict) -> dict:
             out[name] = value.redistribute(value.device_mesh, [Shard(0) if isinstance(p, Shard) and p.dim != 0 else p
                                                                for p in value.placements])
     return out
-
-
-_SCALE = ".weight_scale_inv"
-
-
-def _quantization(folder: Path) -> dict:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return config.get("quantization_config") or text.get("quantization_config") or {}
-
-
-def _reader(folder: Path) -> HuggingFaceStorageReader:
-    """DCP's reader of the folder; for an FP8 block-quantized checkpoint (config.json quantization_config
-    {"quant_method": "fp8", "weight_block_size": [b, b]}, each weight beside its `weight_scale_inv` per block),
-    the one that dequantizes each weight to fp32 as it is read (torch's; tested in one process)."""
-    quant = _quantization(folder)
-    if quant.get("quant_method") != "fp8":
-        return HuggingFaceStorageReader(str(folder))
-    block = quant.get("weight_block_size") or [128, 128]
-    if len(block) != 2 or block[0] != block[1]:
-        raise HFError(f"{folder / 'config.json'}: weight_block_size = {block}; square blocks are supported")
-    if not (folder / INDEX).is_file():
-        raise HFError(f"'{folder}' is FP8 block-quantized but has no {INDEX} pairing weights with their scales")
-    return QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.float32, block_size=int(block[0]))
 
 
 def _without(state: dict, prefixes: tuple[str, ...]) -> dict:

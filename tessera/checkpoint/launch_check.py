@@ -5,12 +5,14 @@ it would resume from whole, against its checksums, so that a damaged one named b
 folder whose every checkpoint is damaged, is refused before ranks start; each rank's own pre-check reads sizes
 only (the ranks then check the content, each a share). The same holds for the folder `initial_load_path` names
 when it has a `.complete` marker (a Tessera checkpoint or export); a Hugging Face folder without one (from a hub)
-has its safetensors files' headers checked against their sizes, on every pre-check (it reads a few bytes)."""
+has its safetensors files' headers checked against their sizes, and a quantized one each weight's scales (present,
+of the shape its blocks need: tessera.checkpoint.quantization), on every pre-check (it reads a few bytes)."""
 
 import glob
 import json
 import os
 
+from tessera.checkpoint import quantization
 from tessera.checkpoint.folder import Damaged, all_damaged, damage, resume_point
 from tessera.config import ConfigError
 
@@ -39,9 +41,15 @@ def check_initial_load(cfg, launch: bool) -> None:
     folder = c.initial_load_path if os.path.isdir(c.initial_load_path) else os.path.dirname(c.initial_load_path)
     if launch and (problem := damage(folder)):
         raise ConfigError(f"checkpoint.initial_load_path: {problem}")
-    for file in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))) if c.initial_load_in_hf else ():
+    if not c.initial_load_in_hf:
+        return
+    for file in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))):
         if problem := safetensors_problem(file):
             raise ConfigError(f"checkpoint.initial_load_path: {file} {problem}; download or export it again")
+    try:
+        quantization.describe(folder)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
 
 
 def safetensors_problem(file: str) -> str | None:

@@ -45,16 +45,18 @@ def attended(a, layer_id: int, seq_len: int) -> float:
 def counts(args, seq_len: int) -> Counts:
     """Training FLOPs per token: 6 per weight a token meets, plus per block 6 H (2 head_dim) x the keys and entries
     it attends (a window and compressed entries, not the sequence), plus the CSA indexers' scores over every
-    earlier entry (forward only: top-k has no gradient), 2 H_i d_i seq / rate / 2."""
-    a, d = args, args.dim
+    earlier entry (forward only: top-k has no gradient), 2 H_i d_i seq / rate / 2. The MTP depths count as the
+    blocks they hold, with their projections, norms and collapse of the streams."""
+    a, d, n = args.with_depths(), args.dim, args.n_layers + args.n_mtp
     expert = 3 * d * a.moe_hidden
     table = a.vocab_size * d
     embedding = 0 if a.tie_embeddings else table
-    common = table + embedding + d + a.hc_mult * (a.hc_mult * d + 1) + 1 \
-        + sum(block_params(a, i) for i in range(a.n_layers))
-    params, active = common + a.n_layers * a.n_experts * expert, common + a.n_layers * a.top_k * expert
-    attention = sum(6 * a.n_heads * 2 * a.head_dim * attended(a, i, seq_len) for i in range(a.n_layers))
-    indexers = sum(a.layer_types[i] == CSA for i in range(a.n_layers))
+    collapse = a.hc_mult * (a.hc_mult * d + 1) + 1
+    common = table + embedding + d + collapse + sum(block_params(a, i) for i in range(n)) \
+        + args.n_mtp * (2 * d * d + 3 * d + collapse)
+    params, active = common + n * a.n_experts * expert, common + n * a.top_k * expert
+    attention = sum(6 * a.n_heads * 2 * a.head_dim * attended(a, i, seq_len) for i in range(n))
+    indexers = sum(a.layer_types[i] == CSA for i in range(n))
     scoring = indexers * 2 * a.index_n_heads * a.index_head_dim * seq_len / a.csa_rate / 2
     streams = (a.hc_mult - 1) * d * 4  # the streams' extra width, around both sublayers, in and out
     return Counts(params=params, active=active, embedding=embedding,
@@ -81,7 +83,8 @@ def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
 
 def check(cfg, args, dims) -> None:
     """The sequence against the compression rates and the indexer's top-k (warnings: short runs run); hash
-    routing's table against EP and the pipeline's first stage (the only one that holds token ids)."""
+    routing's table against EP and the pipeline's first stage (the only one that holds token ids); MTP under PP
+    with TP (as DeepSeek V3's)."""
     label, seq = f"{cfg.model.name} {cfg.model.flavor or 'model'}", cfg.training.seq_len
     rates = sorted({args.rate(i) for i in range(args.n_layers)} - {0})
     log = logging.getLogger("tessera")
@@ -92,6 +95,10 @@ def check(cfg, args, dims) -> None:
         log.warning(
             f"training.seq_len: {seq} tokens make {seq // args.csa_rate} CSA entries, and {label} attends the top "
             f"{args.index_topk} (index_topk): every entry, so its sparse attention computes as dense here")
+    if args.n_mtp and cfg.deepseek_v4.mtp_loss_weight and dims.pp > 1 and dims.tp > 1:
+        raise ValueError("deepseek_v4.mtp_loss_weight: under pipelining the MTP depths take the first stage's "
+                         "embeddings of whole sequences, which TP ranks do not hold; with PP, use FSDP/EP only, or set "
+                         "it to 0 (the depths stay in the model and its checkpoints, untrained)")
     if cfg.lora.rank and "wo_a" in cfg.lora.target_modules:
         raise ValueError(f"lora.target_modules: wo_a is {label}'s grouped output projection (a block-diagonal map), "
                          f"which LoRA's adapters do not take; adapt wo_b instead")
@@ -121,4 +128,5 @@ FAMILY = Family(name="deepseek_v4", flavors=FLAVORS, takes_tokenizer_vocab=froze
                 counts=counts, check_layout=check_layout, embedding="tok_embeddings.weight",
                 high_precision=("output", "router", "wo_a"),
                 torch_side="tessera.models.deepseek.v4.spec:SPEC", hf_model_type=hf.MODEL_TYPE, check=check,
-                param_role=param_role, options=DeepSeekV4Options, metrics={"indexer_loss": "idx"})
+                param_role=param_role, options=DeepSeekV4Options, metrics={"mtp_loss": "mtp", "indexer_loss": "idx"},
+                trains_absent_parts=lambda cfg: cfg.deepseek_v4.mtp_loss_weight > 0)

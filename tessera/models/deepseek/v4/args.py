@@ -61,14 +61,28 @@ class DeepSeekV4Args:
     rope_scaling: dict | None = None  # YaRN of the compressed blocks' RoPE (transformers' rope_parameters)
     max_seq_len: int = 4096  # length of the RoPE tables; set from training.seq_len
     tie_embeddings: bool = False
+    n_mtp: int = 0  # multi-token prediction depths (the release's `mtp.*`: one)
+    mtp_layer_types: list[str] = field(default_factory=list)  # each depth's block's attention, as layer_types
+    # (the first n_mtp); empty: sliding (the releases' compress_ratios end in 0 for it)
 
     def __post_init__(self):
         self.layer_types = list(self.layer_types) or default_layer_types(self.n_layers)
         self.mlp_layer_types = list(self.mlp_layer_types) or [HASH if i < 3 else TOPK for i in range(self.n_layers)]
-        for name, kinds in (("layer_types", (SLIDING, CSA, HCA)), ("mlp_layer_types", (HASH, TOPK))):
+        self.mtp_layer_types = list(self.mtp_layer_types)[:self.n_mtp] or [SLIDING] * self.n_mtp  # fewer depths
+        # (n_mtp replaced by a smaller number) keep their first ones' kinds
+        for name, kinds, n in (("layer_types", (SLIDING, CSA, HCA), self.n_layers),
+                               ("mlp_layer_types", (HASH, TOPK), self.n_layers),
+                               ("mtp_layer_types", (SLIDING, CSA, HCA), self.n_mtp)):
             value = getattr(self, name)
-            if len(value) != self.n_layers or set(value) - set(kinds):
-                raise ValueError(f"{name} = {value!r}: one of {', '.join(kinds)} per block ({self.n_layers})")
+            if len(value) != n or set(value) - set(kinds):
+                raise ValueError(f"{name} = {value!r}: one of {', '.join(kinds)} per block ({n})")
+
+    def with_depths(self) -> "DeepSeekV4Args":
+        """The trunk extended by the MTP depths' blocks (block n_layers + k is depth k's; routed by score, as the
+        release's depth is), which the depths build their blocks from."""
+        return dataclasses.replace(self, n_layers=self.n_layers + self.n_mtp, n_mtp=0, mtp_layer_types=[],
+                                   layer_types=self.layer_types + self.mtp_layer_types,
+                                   mlp_layer_types=self.mlp_layer_types + [TOPK] * self.n_mtp)
 
     def rate(self, layer_id: int) -> int:
         """Tokens per compressed entry of block `layer_id`; 0: a sliding block."""
@@ -108,19 +122,21 @@ def _types(n_layers: int, first: list[str]) -> list[str]:
 
 _YARN = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
          "beta_slow": 1, "attention_factor": 1.0}
+# for tests and CPU runs: one block of each attention, a hash-routed block first; compressed entries of 4 and 8 tokens,
+# a window of 8
+_DEBUG = DeepSeekV4Args(dim=64, n_layers=4, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2,
+                        o_lora_rank=16, window=8, layer_types=[SLIDING, CSA, HCA, CSA], csa_rate=4, hca_rate=8,
+                        index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2, hc_sinkhorn_iters=5,
+                        moe_hidden=32, n_experts=8, top_k=2, mlp_layer_types=[HASH, TOPK, TOPK, TOPK], vocab_size=0)
 FLAVORS = {
-    # for tests and CPU runs: one block of each attention, a hash-routed block first; compressed entries of 4 and
-    # 8 tokens, a window of 8
-    "debugmodel": DeepSeekV4Args(dim=64, n_layers=4, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32,
-                                 o_groups=2, o_lora_rank=16, window=8, layer_types=[SLIDING, CSA, HCA, CSA],
-                                 csa_rate=4, hca_rate=8, index_n_heads=2, index_head_dim=16, index_topk=4,
-                                 hc_mult=2, hc_sinkhorn_iters=5, moe_hidden=32, n_experts=8, top_k=2,
-                                 mlp_layer_types=[HASH, TOPK, TOPK, TOPK], vocab_size=0),
-    # deepseek-ai/DeepSeek-V4-Flash: 284B parameters, 13B active
+    "debugmodel": _DEBUG,
+    # with two MTP depths (the first a CSA block, the second sliding)
+    "debugmodel_mtp": dataclasses.replace(_DEBUG, n_mtp=2, mtp_layer_types=[CSA, SLIDING]),
+    # deepseek-ai/DeepSeek-V4-Flash: 284B parameters, 13B active; its one MTP depth beside them
     "Flash": DeepSeekV4Args(rope_scaling=_YARN, max_seq_len=4096,
-                            layer_types=_types(43, [SLIDING, SLIDING])),
+                            layer_types=_types(43, [SLIDING, SLIDING]), n_mtp=1),
     # deepseek-ai/DeepSeek-V4-Pro: 1.6T parameters, 49B active
     "Pro": DeepSeekV4Args(dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16, n_experts=384,
-                          moe_hidden=3072, rope_scaling=_YARN, layer_types=_types(61, [HCA, HCA])),
+                          moe_hidden=3072, rope_scaling=_YARN, layer_types=_types(61, [HCA, HCA]), n_mtp=1),
 }
-TAKES_TOKENIZER_VOCAB = {"debugmodel"}
+TAKES_TOKENIZER_VOCAB = {"debugmodel", "debugmodel_mtp"}

@@ -1,9 +1,14 @@
 """Hugging Face <-> Tessera for DeepSeek V4 (`DeepseekV4ForCausalLM`), in the release's tensor names (DeepSeek's:
-`embed`, `layers.N.attn.wq_a`, `attn.attn_sink`, `attn.compressor.ape`, `ffn.experts.E.w1`, `hc_attn_fn`, `head`,
-...), which transformers converts on load. transformers' save_pretrained writes the same names under `model.`
-(but `head`): both load. Our names follow the release's, so the table is short. The release's multi-token
-prediction depths (`mtp.*`) are not read (not built)."""
+`embed`, `layers.N.attn.wq_a`, `attn.kv_norm`, `attn.attn_sink`, `attn.compressor.ape`, `ffn.experts.E.w1`,
+`hc_attn_fn`, `head`, ...), which transformers converts on load. transformers' save_pretrained writes the same names
+under `model.` (but `head`), the key/value norm as `attn.norm`: both load; exports write the release's. Our names
+follow the release's, so the table is short. The release's multi-token prediction depths are `mtp.K.*`: a block's
+names and the depth's own (`e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`, `hc_head_fn`...); the copies of the
+embedding and the head that some releases keep beside them (`mtp.K.emb.tok_emb`, `mtp.K.head`) are not read
+(the model's own are). transformers neither builds nor saves the depths (see fit_to_weights). The release's FP8
+blocks and FP4 experts are dequantized as they are read (tessera.checkpoint.dequantize)."""
 
+import dataclasses
 import re
 
 from tessera.models.common import hf as shared
@@ -15,25 +20,31 @@ _TOP = {"tok_embeddings.weight": "embed.weight", "norm.weight": "norm.weight", "
 _LAYER = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
           **{f"{ours}_hc.{p}": f"hc_{theirs}_{p}" for ours, theirs in (("attention", "attn"), ("ffn", "ffn"))
              for p in ("fn", "base", "scale")},
-          "attention.kv.wkv.weight": "attn.wkv.weight", "attention.kv.norm.weight": "attn.norm.weight",
+          "attention.kv.wkv.weight": "attn.wkv.weight", "attention.kv.norm.weight": "attn.kv_norm.weight",
           "attention.sdpa.sinks": "attn.attn_sink", "feed_forward.router.gate.weight": "ffn.gate.weight",
           "feed_forward.expert_bias": "ffn.gate.bias", "feed_forward.hash_experts": "ffn.gate.tid2eid",
           **{f"feed_forward.shared.{w}.weight": f"ffn.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")}}
-_BACK = {v: k for k, v in _LAYER.items()}
-_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+_BACK = {v: k for k, v in _LAYER.items()} | {"attn.norm.weight": "attention.kv.norm.weight"}  # save_pretrained's
+# Our block's names under layers.N, or a depth's under mtp.K.block (theirs: under mtp.K, beside the depth's own).
+_LAYER_NAME = re.compile(r"(layers\.\d+|mtp\.\d+\.block)\.(.+)")
+_THEIR_LAYER = re.compile(r"(layers\.\d+|mtp\.\d+)\.(.+)")
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
+_DEPTH = {**{f"{w}.weight": f"{w}.weight" for w in ("enorm", "hnorm", "norm", "e_proj", "h_proj")},
+          **{f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}  # a depth's own: ours -> theirs
+_DEPTH_BACK = {v: k for k, v in _DEPTH.items()}
+_COPIES = ("emb.tok_emb.weight", "head.weight")  # a depth's copies of the embedding and the head
 
 
 def stored_names(names) -> dict:
     """{name in a folder: its to_hf name}: transformers' save_pretrained prefixes the release's names with
-    `model.`; the multi-token prediction depths' are another model's (None)."""
+    `model.`; a depth's copies of the embedding and the head are not the model's (None)."""
     out = {}
     for name in names:
         bare = name.removeprefix("model.")
-        out[name] = None if bare.startswith("mtp.") else {"embed_tokens.weight": "embed.weight",
-                                                         "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base":
-                                                         "hc_head_base", "hc_head.hc_scale": "hc_head_scale"
-                                                         }.get(bare, bare)
+        copy = bare.startswith("mtp.") and bare.split(".", 2)[2] in _COPIES
+        out[name] = None if copy else {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
+                                       "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"
+                                       }.get(bare, bare)
     return out
 
 
@@ -42,18 +53,29 @@ def to_hf(state: dict) -> dict:
     hashed = {m[1] for name in state if (m := _LAYER_NAME.fullmatch(name)) and m[2] == "feed_forward.hash_experts"}
     out = {}
     for name, value in state.items():
+        if (depth := re.fullmatch(r"(mtp\.\d+)\.(.+)", name)) and depth[2] in _DEPTH:
+            out[f"{depth[1]}.{_DEPTH[depth[2]]}"] = value
+            continue
         m = _LAYER_NAME.fullmatch(name)
         if m is None:
             out[_TOP[name]] = value
             continue
-        layer, part = m[1], m[2]
-        if part == "feed_forward.expert_bias" and layer in hashed:
+        layer, part = m[1].removesuffix(".block"), m[2]
+        if part == "feed_forward.expert_bias" and m[1] in hashed:
             continue
         if ex := re.fullmatch(r"feed_forward\.experts\.(w[123])", part):
-            out.update({f"layers.{layer}.ffn.experts.{e}.{ex[1]}.weight": t for e, t in shared.experts_of(value)})
+            out.update({f"{layer}.ffn.experts.{e}.{ex[1]}.weight": t for e, t in shared.experts_of(value)})
         else:
-            out[f"layers.{layer}.{_LAYER.get(part) or _attention_to_hf(part)}"] = value
+            out[f"{layer}.{_LAYER.get(part) or _attention_to_hf(part)}"] = value
     return out
+
+
+def to_hf_for(names) -> callable:
+    """The to_hf of a folder holding `names`: the release's, or save_pretrained's key/value norm (`attn.norm`)."""
+    if not any(n.endswith(".attn.norm.weight") for n in names):
+        return to_hf
+    return lambda state: {re.sub(r"\.attn\.kv_norm\.weight$", ".attn.norm.weight", k): v
+                          for k, v in to_hf(state).items()}
 
 
 def _attention_to_hf(part: str) -> str:
@@ -67,30 +89,36 @@ def from_hf(state: dict) -> dict:
     out, experts = {}, {}
     top = {v: k for k, v in _TOP.items()}
     for name, value in state.items():
-        m = _LAYER_NAME.fullmatch(name)
+        m = _THEIR_LAYER.fullmatch(name)
         if m is None:
             out[top[name]] = value
             continue
-        layer, part = m[1], m[2]
+        part = m[2]
+        if m[1].startswith("mtp.") and part in _DEPTH_BACK:
+            out[f"{m[1]}.{_DEPTH_BACK[part]}"] = value
+            continue
+        block = m[1] + (".block" if m[1].startswith("mtp.") else "")
         if ex := _EXPERT.fullmatch(part):
-            experts.setdefault(f"layers.{layer}.feed_forward.experts.{ex[2]}", {})[int(ex[1])] = value
+            experts.setdefault(f"{block}.feed_forward.experts.{ex[2]}", {})[int(ex[1])] = value
         elif part in _BACK:
-            out[f"layers.{layer}.{_BACK[part]}"] = value
+            out[f"{block}.{_BACK[part]}"] = value
         else:
-            out[f"layers.{layer}.attention.{part.removeprefix('attn.')}"] = value
+            out[f"{block}.attention.{part.removeprefix('attn.')}"] = value
     return {**out, **shared.stack_all(experts)}
 
 
 def _layer_types(config: dict, n_layers: int, rates: dict) -> list[str]:
+    """Every block's attention, the MTP depths' after the trunk's where the config lists them (the release's
+    compress_ratios: one more entry per depth)."""
     if config.get("layer_types"):
-        return list(config["layer_types"])[:n_layers]
+        return list(config["layer_types"])
     if config.get("compress_ratios"):  # the release's: a compression rate per block (0: sliding)
         by_rate = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
         unknown = set(config["compress_ratios"]) - set(by_rate)
         if unknown:
             raise ValueError(f"compress_ratios holds {sorted(unknown)}: each must be 0, the CSA rate {rates[CSA]} or "
                              f"the HCA rate {rates[HCA]}")
-        return [by_rate[r] for r in config["compress_ratios"]][:n_layers]
+        return [by_rate[r] for r in config["compress_ratios"]]
     return default_layer_types(n_layers)
 
 
@@ -101,16 +129,8 @@ def args_from_hf_config(config: dict) -> DeepSeekV4Args:
                                                               "mlp_bias": False, "num_key_value_heads": 1,
                                                               "n_shared_experts": 1},  # transformers' V4 builds one
                               ("default", "yarn"))
-    quantized = config.get("quantization_config") or {}
-    expert_dtype = quantized.get("expert_dtype", config.get("expert_dtype"))
-    if expert_dtype not in (None, "fp8"):
-        raise ValueError(f"quantization_config expert_dtype = {expert_dtype!r}: Tessera dequantizes FP8 blocks as it "
-                         f"reads them, not the release's FP4 experts; convert the experts to bf16 first")
-    if quantized.get("scale_fmt", "float") != "float":  # the release's: ue8m0 scales named `<weight>.scale`
-        raise ValueError(f"quantization_config scale_fmt = {quantized['scale_fmt']!r}: Tessera dequantizes FP8 blocks "
-                         f"with fp32 inverse scales (`weight_scale_inv`, DeepSeek V3's form), not these; convert the "
-                         f"weights to bf16 first")
     n_layers, head_dim = shared.positive_int(config, "num_hidden_layers"), config.get("head_dim", 512)
+    n_mtp = int(config.get("num_nextn_predict_layers") or 0)
     rates = {CSA: 4, HCA: 128, **(config.get("compress_rates") or {})}
     rates[CSA] = config.get("compress_rate_csa", rates[CSA])
     rates[HCA] = config.get("compress_rate_hca", rates[HCA])
@@ -136,9 +156,11 @@ def args_from_hf_config(config: dict) -> DeepSeekV4Args:
         ("index_topk", "index_topk", 512), ("hc_mult", "hc_mult", 4), ("hc_sinkhorn_iters", "hc_sinkhorn_iters", 20),
         ("moe_hidden", "moe_intermediate_size", 2048), ("n_experts", "n_routed_experts", 256),
         ("top_k", "num_experts_per_tok", 6))}
+    kinds = _layer_types(config, n_layers, rates)
     return DeepSeekV4Args(
         dim=shared.positive_int(config, "hidden_size"), n_layers=n_layers, head_dim=head_dim, rope_head_dim=rope_dim,
-        **ints, layer_types=_layer_types(config, n_layers, rates), csa_rate=int(rates[CSA]),
+        **ints, layer_types=kinds[:n_layers], csa_rate=int(rates[CSA]), n_mtp=n_mtp,
+        mtp_layer_types=kinds[n_layers:n_layers + n_mtp] if len(kinds) >= n_layers + n_mtp else [],
         hca_rate=int(rates[HCA]), hc_eps=float(config.get("hc_eps", 1e-6)),
         n_shared=1, score_func=config.get("scoring_func", "sqrtsoftplus"),
         route_scale=float(config.get("routed_scaling_factor", 1.5)),
@@ -151,7 +173,8 @@ def args_from_hf_config(config: dict) -> DeepSeekV4Args:
 
 
 def hf_config(args: DeepSeekV4Args, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for transformers' DeepseekV4ForCausalLM."""
+    """config.json for transformers' DeepseekV4ForCausalLM; layer_types lists the MTP depths' blocks after the
+    trunk's, as the release's compress_ratios does (transformers reads the trunk's)."""
     factor = args.rope_head_dim / args.head_dim
     compress = {"rope_type": "default", **(args.rope_scaling or {}), "rope_theta": args.compress_rope_theta,
                 "partial_rotary_factor": factor}
@@ -159,7 +182,8 @@ def hf_config(args: DeepSeekV4Args, bos_id: int | None = None, eos_id: int | Non
             "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "num_key_value_heads": 1,
             "head_dim": args.head_dim, "partial_rotary_factor": factor, "q_lora_rank": args.q_lora_rank,
             "o_groups": args.o_groups, "o_lora_rank": args.o_lora_rank, "sliding_window": args.window,
-            "layer_types": args.layer_types, "compress_rates": {CSA: args.csa_rate, HCA: args.hca_rate},
+            "layer_types": args.layer_types + args.mtp_layer_types, "num_nextn_predict_layers": args.n_mtp,
+            "compress_rates": {CSA: args.csa_rate, HCA: args.hca_rate},
             "index_n_heads": args.index_n_heads, "index_head_dim": args.index_head_dim,
             "index_topk": args.index_topk, "hc_mult": args.hc_mult, "hc_sinkhorn_iters": args.hc_sinkhorn_iters,
             "hc_eps": args.hc_eps, "moe_intermediate_size": args.moe_hidden, "n_routed_experts": args.n_experts,
@@ -173,3 +197,17 @@ def hf_config(args: DeepSeekV4Args, bos_id: int | None = None, eos_id: int | Non
             "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
             "bos_token_id": bos_id, "eos_token_id": eos_id, "hidden_act": "silu", "attention_bias": False,
             "pad_token_id": None, "torch_dtype": "float32"}
+
+
+def fit_to_weights(args: DeepSeekV4Args, names: set[str], train: bool) -> tuple[DeepSeekV4Args, tuple, str | None]:
+    """transformers declares MTP depths (num_nextn_predict_layers, 1 by default) but neither builds nor saves
+    them: a folder holding no `mtp.` tensor (every one transformers wrote) loads without them, or with them freshly
+    initialized for a run that trains them (`train`). A release holds them (`mtp.K.*`) and keeps them.
+    (args, prefixes left as initialized, note)."""
+    if not args.n_mtp or any(n and n.startswith("mtp.") for n in stored_names(names).values()):
+        return args, (), None
+    lacks = (f"config.json declares {args.n_mtp} MTP depth(s) (num_nextn_predict_layers) but the folder holds none "
+             f"of their weights (mtp.0...; transformers saves none)")
+    if train:
+        return args, ("mtp.",), f"{lacks}: they start freshly initialized"
+    return dataclasses.replace(args, n_mtp=0, mtp_layer_types=[]), (), f"{lacks}: loaded without them"

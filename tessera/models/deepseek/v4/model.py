@@ -14,6 +14,8 @@ from torch import nn
 from tessera.models.common.decoder import Decoder
 from tessera.models.common.moe import MoE
 from tessera.models.common.rope import attention_factor, inv_freq, rope_table
+from tessera.models.common.side_loss import Lookahead, SideLoss
+from tessera.models.deepseek.mtp import MTPDecoder
 from tessera.models.deepseek.v4.attention import V4Attention, unweighted_rms
 
 
@@ -72,6 +74,37 @@ class V4Block(nn.Module):
         return spread.flatten(2) + (comb.to(h.dtype).transpose(-1, -2) @ streams).flatten(2)  # a fresh tensor
 
 
+def collapse(h: torch.Tensor, mix: HyperMix, hc: int, eps: float, hc_eps: float) -> torch.Tensor:
+    """Streams [batch, seq, hc x dim] -> one [batch, seq, dim], weighted by a sigmoid each (a `hc_head`)."""
+    pre = torch.sigmoid(mix(unweighted_rms(h.float(), eps))) + hc_eps
+    return (pre.unsqueeze(-1) * h.unflatten(-1, (hc, -1))).sum(2).to(h.dtype)
+
+
+class MTPDepth(nn.Module):
+    """One multi-token prediction depth (the release's MTPBlock): the embeddings of the tokens k further on, normed
+    and projected (e_proj), added to each of the previous depth's streams (the trunk's before their collapse, for
+    k = 1), each normed and projected (h_proj); then a whole block (block n_layers + k, routed by score) over the
+    streams, which the next depth takes; the head reads them collapsed by its own hc_head and normed by its own
+    norm (the output head is the model's)."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        d, self.hc, self.eps, self.hc_eps = args.dim, args.hc_mult, args.norm_eps, args.hc_eps
+        self.enorm, self.hnorm, self.norm = (nn.RMSNorm(d, eps=args.norm_eps) for _ in range(3))
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.block = V4Block(args.with_depths(), layer_id)
+        self.hc_head = HyperMix(self.hc * d, (self.hc,))
+
+    def forward(self, h: torch.Tensor, embeddings: torch.Tensor, rope: torch.Tensor,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(its streams, which the next depth takes; what the head reads)."""
+        streams = self.h_proj(self.hnorm(h.unflatten(-1, (self.hc, -1))))
+        x = (streams + self.e_proj(self.enorm(embeddings)).unsqueeze(-2)).flatten(2)
+        x = self.block(x, rope, documents=documents)
+        return x, self.norm(collapse(x, self.hc_head, self.hc, self.eps, self.hc_eps))
+
+
 class InputCache(nn.Module):
     """A block's decoding cache: its attention's inputs so far (decoding recomputes keys, compressed entries and
     the indexer's from them: a reference path)."""
@@ -87,9 +120,11 @@ class InputCache(nn.Module):
         return self.x[:, :self.length]
 
 
-class DeepSeekV4(Decoder):
+class DeepSeekV4(MTPDecoder, Decoder):
     """The shared decoder's embedding, head and plumbing with V4's blocks; the streams collapsed (`hc_head`) before
-    the final norm. The RoPE buffer holds two tables: sliding blocks', compressed blocks' [positions, 2, 2, dim]."""
+    the final norm; `n_mtp` multi-token prediction depths that train beside it (their loss is `mtp_loss`, a side
+    loss: tessera/models/deepseek/mtp.py). The RoPE buffer holds two tables: sliding blocks', compressed blocks'
+    [positions, 2, 2, dim]."""
 
     block = V4Block
 
@@ -98,6 +133,10 @@ class DeepSeekV4(Decoder):
         self.hc_head = HyperMix(args.hc_mult * args.dim, (args.hc_mult,))
         self.register_buffer("rope", torch.empty(args.max_seq_len, 2, 2, args.rope_head_dim, device="meta"),
                              persistent=False)
+        self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
+            if args.n_mtp else None
+        self.mtp_loss = SideLoss("mtp_loss", "deepseek_v4.mtp_loss_weight")
+        self.lookahead = Lookahead()
 
     def init_buffers(self, device: torch.device, positions: torch.Tensor | None = None) -> None:
         a = self.args
@@ -111,15 +150,19 @@ class DeepSeekV4(Decoder):
         self.rope = torch.stack([rope_table(positions, inv_freq(a.rope_head_dim, a.rope_theta)),
                                  rope_table(positions, compressed, attention_factor(a.rope_scaling))], dim=1)
 
-    def forward(self, tokens: torch.Tensor, cache: list | None = None, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def plain_forward(self, tokens: torch.Tensor, cache: list | None = None, documents: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.hidden(tokens, cache, documents, positions)
         if self.norm is None:
             return h
         h = self.norm(self.collapse(h))
         return self.head(h) if labels is None else self.token_loss(h, labels)
 
-    def stream_width(self) -> int:
+    def trunk_out(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last block's streams, which the first depth takes; them collapsed and normed, which the head reads)."""
+        return h, self.norm(self.collapse(h))
+
+    def trunk_width(self) -> int:
         return self.args.hc_mult * self.args.dim
 
     def hidden(self, tokens: torch.Tensor, cache: list | None = None, documents: torch.Tensor | None = None,
@@ -136,9 +179,7 @@ class DeepSeekV4(Decoder):
 
     def collapse(self, h: torch.Tensor) -> torch.Tensor:
         """The streams -> one [batch, seq, dim], weighted by a sigmoid each (hc_head)."""
-        streams = h.unflatten(-1, (self.args.hc_mult, -1))
-        pre = torch.sigmoid(self.hc_head(unweighted_rms(h.float(), self.args.norm_eps))) + self.args.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(2).to(h.dtype)
+        return collapse(h, self.hc_head, self.args.hc_mult, self.args.norm_eps, self.args.hc_eps)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> list[InputCache]:
         return [InputCache(batch, max_len, self.args.dim, dtype, device) for _ in range(self.args.n_layers)]

@@ -7,7 +7,13 @@ rank's heads read the key/value head and the compressed entries, so their gradie
 leave their modules; the indexer's target, the heads' attention over the entries, is summed over them. The
 hyper-connections' weights, computed per token, run on each rank's sequence slice with replicated parameters
 (sequence parallel); so does the final collapse of the streams. A MoE block runs on the
-rank's own tokens, and a hash-routed one takes their token ids, cut the same way. CP is refused (check_layout)."""
+rank's own tokens, and a hash-routed one takes their token ids, cut the same way. CP is refused (check_layout).
+
+The MTP depths (the last stage's) are FSDP units of their own, each on the whole sequence: its block takes the
+blocks' plan; its norms, projections and collapse of the streams run on each rank's sequence slice with
+replicated weights (sequence parallel), the projections handing the block a plain slice as the embedding hands
+the first block. Under PP they sit on the last stage, fed the first stage's embeddings through the stages
+(tessera/models/deepseek/mtp.py)."""
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -41,8 +47,16 @@ def block_tp_plan(head_dim: int):
     return of
 
 
+def mtp_depth_tp_plan() -> dict:
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel(),
+            **{n: SequenceParallel(use_local_output=True) for n in ("e_proj", "h_proj", "hc_head")}}
+
+
 def parallelize(model, world, cfg):
     last = model.norm is not None and world.dims.tp > 1
+    depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     more_tp = ((model, {"hc_head": SequenceParallel(use_local_output=True)}),) if last else ()
-    return parallelize_decoder(model, world, cfg, block_tp_plan(model.args.head_dim), FAMILY.high_precision,
-                               more_tp=more_tp)
+    return parallelize_decoder(model, world, cfg, block_tp_plan(model.args.head_dim), FAMILY.high_precision, depths,
+                               not cfg.deepseek_v4.mtp_loss_weight,
+                               more_blocks={str(k): d.block for k, d in enumerate(depths)},
+                               more_tp=(*more_tp, *((d, mtp_depth_tp_plan()) for d in depths)))
