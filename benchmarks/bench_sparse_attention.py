@@ -4,15 +4,17 @@ MLA, its KL loss attached; tessera/models/deepseek/dsa.py), and DeepSeek V4's co
 tokens, the indexer's top-k of them, its loss attached) and heavily compressed (HCA: entries of 128 tokens, all)
 attention beside a 128-token window (tessera/models/deepseek/v4/attention.py).
 
-    python benchmarks/bench_sparse_attention.py [--seqs 4096,8192,16384,32768] [--topk 512] [--rounds 1]
-        [--memory_gib 20] [--out ...json]
+    python benchmarks/bench_sparse_attention.py [--seqs 4096,8192,16384,32768,65536] [--topk 512] [--rounds 1]
+        [--layers dense,dsa,csa,hca] [--out ...json]
 
 Per length: tokens/s of each layer (median over rounds, the layers timed in alternation), the bytes each keeps for
-backward (tensors autograd saves), and their ratios to dense MLA. On CPU in fp32, 512-wide layers of 4 heads: MLA's
-64 + 32 RoPE dims (values 96, so that dense attention runs SDPA's fused kernel), query and KV bottlenecks of 128;
-V4's one key/value head of 96 (32 RoPE), a query bottleneck of 128, 2 output groups of 128; both indexers 4 heads of
-64. Tessera's DSA and CSA are reference paths that materialize scores over every key (DSA) or every compressed entry
-(CSA): a layer whose estimate of those exceeds --memory_gib is not run at that length (a dash).
+backward (tensors autograd saves) per token, and their ratios to dense MLA; then each layer's bytes per token at the
+longest length over its figure at the shortest (memory linear in the sequence: 1). On CPU in fp32, 512-wide layers
+of 4 heads: MLA's 64 + 32 RoPE dims (values 96, so that dense attention runs SDPA's fused kernel), query and KV
+bottlenecks of 128; V4's one key/value head of 96 (32 RoPE), a query bottleneck of 128, 2 output groups of 128;
+both indexers 4 heads of 64. DSA and CSA run Tessera's torch path (tessera/models/common/blockwise.py and
+sparse.py): the top-k a block of queries at a time, attention over the selected keys gathered per block, no
+[queries x keys] tensor.
 """
 
 import argparse
@@ -66,19 +68,12 @@ def _ropes(seq: int, a, device) -> dict:
     return {"dense": mla, "dsa": mla, "csa": v4, "hca": v4}
 
 
-def materialized_gib(name: str, seq: int, a) -> float:
-    """What a reference path holds at once of scores over keys or entries (fp32, a few copies: scores, masked,
-    probabilities, the indexer's per head): 4 heads and 4 indexer heads."""
-    keys = {"dsa": seq, "csa": seq / 4}.get(name, 0)
-    return (6 * 4 + 3 * 4) * seq * keys * 4 / 2 ** 30
-
-
 def at_length(seq: int, a, layers: dict, device, dtype, warm_up: bool) -> dict:
     import torch
 
     x = torch.randn(1, seq, a.dim, device=device, dtype=dtype, requires_grad=True)
     ropes = _ropes(seq, a, device)
-    run = {n: layer for n, layer in layers.items() if materialized_gib(n, seq, a) <= a.memory_gib}
+    run = layers
     if warm_up:
         short = a.topk + 2 * a.hca_rate
         for name, layer in run.items():
@@ -89,13 +84,11 @@ def at_length(seq: int, a, layers: dict, device, dtype, warm_up: bool) -> dict:
             seconds, saved[name] = measure(layer, x, ropes[name])
             times[name].append(seconds)
     out = {"seq": seq, **{f"{n}_tokens_s": seq / statistics.median(t) for n, t in times.items()},
-           **{f"{n}_saved_mib": b / 2**20 for n, b in saved.items()}}
+           **{f"{n}_saved_mib": b / 2**20 for n, b in saved.items()},
+           **{f"{n}_saved_bytes_per_token": b / seq for n, b in saved.items()}}
     cells = []
-    for name in LAYERS:
-        if name not in run:
-            cells.append(f"{name} -")
-            continue
-        if name != "dense":
+    for name in (n for n in LAYERS if n in run):
+        if name != "dense" and "dense" in run:
             out[f"{name}_over_dense_speed"] = out[f"{name}_tokens_s"] / out["dense_tokens_s"]
             out[f"{name}_over_dense_memory"] = saved[name] / saved["dense"]
         cells.append(f"{name} {out[f'{name}_tokens_s']:>8,.0f} tok/s {out[f'{name}_saved_mib']:>7.1f} MiB")
@@ -105,23 +98,26 @@ def at_length(seq: int, a, layers: dict, device, dtype, warm_up: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", default="4096,8192,16384,32768", help="sequence lengths, comma-separated")
+    p.add_argument("--seqs", default="4096,8192,16384,32768,65536", help="sequence lengths, comma-separated")
+    p.add_argument("--layers", default=",".join(LAYERS), help="which of dense, dsa, csa, hca to run")
     p.add_argument("--topk", type=int, default=512, help="keys (DSA) or entries (CSA) each query attends")
     p.add_argument("--window", type=int, default=128, help="V4's sliding window")
     p.add_argument("--hca_rate", type=int, default=128, help="tokens per HCA entry")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--memory_gib", type=float, default=20.0,
-                   help="a reference path whose materialized scores would exceed this is not run at that length")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/sparse_attention.json"))
     smoke_option(p, seqs="96,160", topk=8, window=16, hca_rate=16, rounds=1, dim=64)
     a = p.parse_args()
     device, dtype = layer_device()
-    layers = _layers(a, device, dtype)
+    layers = {n: layer for n, layer in _layers(a, device, dtype).items() if n in a.layers.split(",")}
     print(f"one layer, forward + backward, batch 1, {device.type} {dtype}, width {a.dim}, top-k {a.topk}, "
           f"V4 window {a.window}, HCA rate {a.hca_rate}:")
     rows = [at_length(int(s), a, layers, device, dtype, i == 0) for i, s in enumerate(a.seqs.split(","))]
-    write_json(a.out, {"device": device.type, "dtype": str(dtype), "dim": a.dim, "topk": a.topk, "lengths": rows})
+    growth = {n: rows[-1][f"{n}_saved_bytes_per_token"] / rows[0][f"{n}_saved_bytes_per_token"] for n in layers}
+    print(f"bytes kept per token, {rows[-1]['seq']} over {rows[0]['seq']} tokens: "
+          + " | ".join(f"{n} {g:.2f}x" for n, g in growth.items()))
+    write_json(a.out, {"device": device.type, "dtype": str(dtype), "dim": a.dim, "topk": a.topk, "lengths": rows,
+                       "per_token_growth": growth})
 
 
 if __name__ == "__main__":

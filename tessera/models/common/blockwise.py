@@ -74,43 +74,66 @@ def key_range(n: int, p0: int, p1: int, first: int = 0, stride: int = 1, window:
 
 
 def query_block(batch: int, q_heads: int, n_q: int, sources: list[Keys]) -> int:
-    """Queries per block: as many as keep a block's scores (and gathered keys) near SCORES_PER_BLOCK."""
-    per_query = 1
+    """Queries per block: as many as keep a block's scores (and gathered keys) near SCORES_PER_BLOCK, and no more
+    than a window or chunk (a block of queries reads the keys of its span plus the window: blocks much longer than
+    it would compute mostly masked scores)."""
+    per_query, most = 1, n_q
     for s in sources:
         if s.selected is None:
             per_query = max(per_query, batch * q_heads * min(s.k.shape[2], KEY_BLOCK))
+            most = min([most, *(n for n in (s.window, s.chunk) if n)])
         else:
             top, kv = s.selected.shape[-1], s.k.shape[1]
             per_query = max(per_query, batch * top * (q_heads + kv * (s.k.shape[-1] + s.v.shape[-1])))
-    return max(1, min(n_q, SCORES_PER_BLOCK // per_query))
+    return max(1, min(most, SCORES_PER_BLOCK // per_query))
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [b, h, n, d] at index [b, q, t] (clamped to 0 where < 0) -> [b, h, q, t, d]."""
-    b, h, _, d = x.shape
-    flat = index.clamp(min=0).reshape(b, 1, -1, 1).expand(b, h, -1, d)
-    return x.gather(2, flat).view(b, h, *index.shape[1:], d)
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [b, h, n, d] as one row per (batch, head, position) [b * h * n, d] (one copy): what a selection gathers
+    from and scatters into by row."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _row_index(index: torch.Tensor, heads: int, n: int) -> torch.Tensor:
+    """index [b, q, t] into n positions (clamped to 0 where < 0) -> the rows of _rows' [b * heads * q * t], in
+    the order [b, heads, q, t]."""
+    b = index.shape[0]
+    offsets = torch.arange(b * heads, device=index.device).view(b, heads, 1, 1) * n
+    return (index.clamp(min=0).unsqueeze(1) + offsets).flatten()
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, n: int, heads: int) -> torch.Tensor:
+    """The rows (_rows') at index [b, q, t] -> [b, heads, q, t, d]."""
+    return rows.index_select(0, _row_index(index, heads, n)).view(index.shape[0], heads, *index.shape[1:], -1)
 
 
 class _Plan:
-    """The static part of one call: the query positions, each source's rule (its keys and values left out: autograd
-    keeps those as saved tensors, so activation checkpointing governs them), block sizes."""
+    """The static part of one call: the query positions, each source's rule by position, block sizes. Every tensor
+    (keys, values, documents, selections) goes to autograd as saved tensors, so activation checkpointing governs
+    them all."""
 
     def __init__(self, q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, q_block: int,
                  k_block: int):
         self.q_first, self.scale = q_first, scale
-        self.rules = [Keys(s.k.new_empty(0), s.v.new_empty(0), s.first, s.stride, s.window, s.chunk, s.documents,
-                           s.selected) for s in sources]
-        self.same_kv = [s.v is s.k for s in sources]
+        self.rules = [(s.first, s.stride, s.window, s.chunk, s.v is s.k) for s in sources]
         self.kv_heads = sources[0].k.shape[1]
         self.groups = q.shape[1] // self.kv_heads
         self.q_block = q_block or query_block(q.shape[0], q.shape[1], q.shape[2], sources)
         self.k_block = k_block or KEY_BLOCK
 
-    def sources(self, kv: list[torch.Tensor]) -> list[Keys]:
-        """The sources again, from their keys and values [k0, v0, k1, v1, ...]."""
-        return [Keys(kv[2 * i], kv[2 * i] if same else kv[2 * i + 1], r.first, r.stride, r.window, r.chunk,
-                     r.documents, r.selected) for i, (r, same) in enumerate(zip(self.rules, self.same_kv, strict=True))]
+    @staticmethod
+    def tensors(sources: list[Keys]) -> list[torch.Tensor | None]:
+        """Each source's keys, values, documents and selection, in order (values that are the keys: the keys
+        twice, their gradients summed)."""
+        return [t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
+
+    def sources(self, tensors) -> list[Keys]:
+        """The sources again, from `tensors`' list."""
+        out = []
+        for i, (first, stride, window, chunk, same) in enumerate(self.rules):
+            k, v, documents, selected = tensors[4 * i:4 * i + 4]
+            out.append(Keys(k, k if same else v, first, stride, window, chunk, documents, selected))
+        return out
 
     def query_blocks(self, n_q: int):
         for i0 in range(0, n_q, self.q_block):
@@ -140,13 +163,25 @@ class _Plan:
             yield a, b, mask[:, None, None]
 
 
-def _keys_of(source: Keys, j0, j1, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The piece's keys and values: [b, h, n, d] by position, [b, h, q, t, d] by selection."""
+def _selected_rows(sources: list[Keys]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each source by selection's keys and values as rows (_rows), made once per call."""
+    out = []
+    for s in sources:
+        rows = None
+        if s.selected is not None:
+            k = _rows(s.k)
+            rows = (k, k if s.v is s.k else _rows(s.v))
+        out.append(rows)
+    return out
+
+
+def _keys_of(source: Keys, rows, j0, j1, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The piece's keys and values: [b, h, n, d] by position, [b, h, q, t, d] by selection (from `rows`)."""
     if source.selected is None:
         return source.k[:, :, j0:j1], source.v[:, :, j0:j1]
-    index = source.selected[:, i0:i1]
-    k = _gather(source.k, index)
-    return k, k if source.v is source.k else _gather(source.v, index)
+    index, n, heads = source.selected[:, i0:i1], source.k.shape[2], source.k.shape[1]
+    k = _gather(rows[0], index, n, heads)
+    return k, k if source.v is source.k else _gather(rows[1], index, n, heads)
 
 
 def _scores(qb: torch.Tensor, k: torch.Tensor, scale: float, selected: bool) -> torch.Tensor:
@@ -169,17 +204,20 @@ def _forward(plan: _Plan, sources: list[Keys], q: torch.Tensor, sinks: torch.Ten
     dv = sources[0].v.shape[-1]
     out = q.new_empty(b, hq, n_q, dv)
     lse = q.new_empty(b, h, g, n_q, dtype=torch.float32)
-    picked = None
+    picked, rows = None, _selected_rows(sources)
+    if want_picked and any(s.selected is not None for s in sources):
+        top = next(s.selected for s in sources if s.selected is not None).shape[-1]
+        picked = q.new_zeros(b, n_q, top, dtype=torch.float32)
     for i0, i1 in plan.query_blocks(n_q):
         qb = q[:, :, i0:i1].unflatten(1, (h, g))
         docs = None if q_docs is None else q_docs[:, i0:i1]
         m = q.new_full((b, h, g, i1 - i0), float("-inf"), dtype=torch.float32)
         total, acc = torch.zeros_like(m), q.new_zeros(b, h, g, i1 - i0, dv, dtype=torch.float32)
         kept = None  # the selected keys' scores, for their probabilities once the softmax's total is known
-        for source in sources:
+        for source, source_rows in zip(sources, rows, strict=True):
             chosen = source.selected is not None
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                k, v = _keys_of(source, j0, j1, i0, i1)
+                k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
                 s = _scores(qb, k, plan.scale, chosen)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
@@ -195,9 +233,8 @@ def _forward(plan: _Plan, sources: list[Keys], q: torch.Tensor, sinks: torch.Ten
         empty = total == 0  # a query that sees no key (none in the selection): output 0
         out[:, :, i0:i1] = (acc / torch.where(empty, 1, total)[..., None]).flatten(1, 2).to(out.dtype)
         lse[..., i0:i1] = torch.where(empty, float("inf"), m + total.log())
-        if want_picked and kept is not None:
-            probs = (kept - lse[..., i0:i1, None]).exp().sum((1, 2))  # [b, q, top-k], 0 where not selected
-            picked = probs if picked is None else torch.cat([picked, probs], dim=1)
+        if picked is not None:  # [b, q, top-k], 0 where not selected
+            picked[:, i0:i1] = (kept - lse[..., i0:i1, None]).exp().sum((1, 2))
     return out, lse, picked
 
 
@@ -215,10 +252,10 @@ def _online(m, total, acc, s, v, chosen: bool):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, want_picked: bool, q: torch.Tensor, sinks: torch.Tensor | None,
-                q_docs: torch.Tensor | None, *kv: torch.Tensor):
-        out, lse, picked = _forward(plan, plan.sources(list(kv)), q, sinks, q_docs, want_picked)
+                q_docs: torch.Tensor | None, *tensors: torch.Tensor | None):
+        out, lse, picked = _forward(plan, plan.sources(tensors), q, sinks, q_docs, want_picked)
         ctx.plan = plan
-        ctx.save_for_backward(q, sinks, q_docs, out, lse, *kv)
+        ctx.save_for_backward(q, sinks, q_docs, out, lse, *tensors)
         ctx.mark_non_differentiable(lse)
         if picked is not None:
             ctx.mark_non_differentiable(picked)
@@ -226,17 +263,19 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor, _lse, _picked):
-        q, sinks, q_docs, out, lse, *kv = ctx.saved_tensors
+        q, sinks, q_docs, out, lse, *tensors = ctx.saved_tensors
         plan = ctx.plan
-        dq, d_sinks, dkv = _backward(plan, plan.sources(kv), q, sinks, q_docs, out, lse, d_out)
-        return (None, None, dq, d_sinks, None, *dkv)
+        dq, d_sinks, dkv = _backward(plan, plan.sources(tensors), q, sinks, q_docs, out, lse, d_out)
+        return (None, None, dq, d_sinks, None, *(g for pair in zip(dkv[::2], dkv[1::2], strict=True)
+                                                  for g in (*pair, None, None)))
 
 
 def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_out):
     b, hq, n_q, _ = q.shape
     h, g = plan.kv_heads, plan.groups
     dq = torch.zeros_like(q, dtype=torch.float32)
-    grads = [[torch.zeros_like(s.k, dtype=torch.float32), torch.zeros_like(s.v, dtype=torch.float32)]
+    gathered = _selected_rows(sources)
+    grads = [[torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format) for x in (s.k, s.v)]
              for s in sources]
     d_sinks = None if sinks is None else torch.zeros(h, g, device=q.device, dtype=torch.float32)
     for i0, i1 in plan.query_blocks(n_q):
@@ -246,10 +285,10 @@ def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_ou
         delta = (dob.float() * out[:, :, i0:i1].unflatten(1, (h, g)).float()).sum(-1)  # [b, h, g, q]
         docs = None if q_docs is None else q_docs[:, i0:i1]
         dqb = torch.zeros_like(qb, dtype=torch.float32)
-        for source, (dk, dv) in zip(sources, grads, strict=True):
+        for source, source_rows, (dk, dv) in zip(sources, gathered, grads, strict=True):
             chosen = source.selected is not None
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                k, v = _keys_of(source, j0, j1, i0, i1)
+                k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
                 s = _scores(qb, k, plan.scale, chosen)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
@@ -258,8 +297,11 @@ def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_ou
                     dp = torch.einsum("bhgqd,bhqtd->bhgqt", dob, v).float()
                     ds = p * (dp - delta[..., None]) * plan.scale
                     dqb += torch.einsum("bhgqt,bhqtd->bhgqd", ds.to(k.dtype), k).float()
-                    _scatter(dk, source.selected[:, i0:i1], torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qb))
-                    _scatter(dv, source.selected[:, i0:i1], torch.einsum("bhgqt,bhgqd->bhqtd", p.to(q.dtype), dob))
+                    at = _row_index(source.selected[:, i0:i1], h, source.k.shape[2])  # entries < 0 add 0 at 0
+                    _rows(dk).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qb)
+                                         .reshape(-1, dk.shape[-1]).float())
+                    _rows(dv).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", p.to(q.dtype), dob)
+                                         .reshape(-1, dv.shape[-1]).float())
                 else:
                     dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, v).float()
                     ds = p * (dp - delta[..., None]) * plan.scale
@@ -275,14 +317,6 @@ def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_ou
     return dq.to(q.dtype), None if sinks is None else d_sinks.flatten().to(sinks.dtype), dkv
 
 
-def _scatter(grad: torch.Tensor, index: torch.Tensor, pieces: torch.Tensor) -> None:
-    """grad [b, h, n, d] += pieces [b, h, q, t, d] at index [b, q, t] (entries < 0 add nothing: their pieces are
-    0, added at 0)."""
-    b, h, _, d = grad.shape
-    flat = index.clamp(min=0).reshape(b, 1, -1, 1).expand(b, h, -1, d)
-    grad.scatter_add_(2, flat, pieces.reshape(b, h, -1, d).float())
-
-
 # Run eagerly inside a compiled block (a graph break): traced, its loop over blocks would unroll into the graph.
 @torch.compiler.disable
 def attention(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, sinks: torch.Tensor | None = None,
@@ -292,8 +326,7 @@ def attention(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, 
     `picked` the probabilities of a selected source's keys summed over heads [batch, n_q, top-k], else None).
     `q_block`, `k_block`: block sizes (0: chosen by size)."""
     plan = _Plan(q, sources, q_first, scale, q_block, k_block)
-    kv = [t for s in sources for t in (s.k, s.v)]  # k twice where values are keys: one gradient, summed
-    return _Attention.apply(plan, picked, q, sinks, q_documents, *kv)
+    return _Attention.apply(plan, picked, q, sinks, q_documents, *plan.tensors(sources))
 
 
 @torch.no_grad()
@@ -303,12 +336,13 @@ def max_logits(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float,
     plan = _Plan(q, sources, q_first, scale, 0, 0)
     h, g = plan.kv_heads, plan.groups
     best = q.new_full((h, g), float("-inf"), dtype=torch.float32)
+    gathered = _selected_rows(sources)
     for i0, i1 in plan.query_blocks(q.shape[2]):
         qb = q[:, :, i0:i1].unflatten(1, (h, g))
         docs = None if q_documents is None else q_documents[:, i0:i1]
-        for source in sources:
+        for source, rows in zip(sources, gathered, strict=True):
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                s = _scores(qb, _keys_of(source, j0, j1, i0, i1)[0], scale, source.selected is not None)
+                s = _scores(qb, _keys_of(source, rows, j0, j1, i0, i1)[0], scale, source.selected is not None)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
                 best = torch.maximum(best, s.amax((0, 3, 4)))

@@ -136,15 +136,16 @@ def _kl_and_gradients(scoring: Scoring, target, selected: torch.Tensor | None):
         wb = w[:, i0:i1].float()
         if selected is not None:
             index = selected[:, i0:i1]
-            keys = k.gather(1, index.clamp(min=0).flatten(1)[..., None].expand(-1, -1, dim)).view(b, i1 - i0, -1, dim)
+            rows = (index.clamp(min=0) + torch.arange(b, device=k.device).view(-1, 1, 1) * k.shape[1]).flatten()
+            keys = k.reshape(-1, dim).index_select(0, rows).view(b, i1 - i0, -1, dim)
             pre = scoring.pre(i0, i1, keys)  # [b, q, heads, top-k]
             logits = torch.einsum("bqh,bqhn->bqn", wb, F.relu(pre)).masked_fill(index < 0, float("-inf"))
             kl, grad = _kl_rows(logits, target[:, i0:i1])
             dw[:, i0:i1] = torch.einsum("bqn,bqhn->bqh", grad, F.relu(pre))
             dpre = grad[:, :, None] * wb[..., None] * (pre > 0) * scoring.scale
             dq[:, i0:i1] = torch.einsum("bqhn,bqnd->bqhd", dpre, keys.float())
-            dk.scatter_add_(1, index.clamp(min=0).flatten(1)[..., None].expand(-1, -1, dim),
-                            torch.einsum("bqhn,bqhd->bqnd", dpre, q[:, i0:i1].float()).flatten(1, 2))
+            dk.view(-1, dim).index_add_(0, rows, torch.einsum("bqhn,bqhd->bqnd", dpre, q[:, i0:i1].float())
+                                        .reshape(-1, dim))
         else:
             end = scoring.key_end(i1)
             logits = scoring.logits(i0, i1, end, end)

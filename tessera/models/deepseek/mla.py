@@ -9,6 +9,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.models.common import sparse
 from tessera.models.common.attention import CausalSDPA, KVCache
@@ -67,21 +68,44 @@ class MLA(nn.Module):
         q = q.view(bsz, seq, -1, a.head_dim)  # -1 heads: under tensor parallelism a rank's share
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, a.qk_nope_head_dim + a.v_head_dim)
-        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        latent = self.kv_norm(latent)
         positions, k_rot = rope_rows(rope, cache.length if cache is not None else 0, seq), k_rot.unsqueeze(2)
         if a.mla_rope:  # else (Kimi Linear's MLA, NoPE) the "rope" slices stay as they are
-            q, k_rot = torch.cat([q_nope, self._rope(q_rot, positions)], dim=-1), self._rope(k_rot, positions)
-        k_rot = k_rot.expand(-1, -1, k_nope.shape[2], -1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q_rot, k_rot = self._rope(q_rot, positions), self._rope(k_rot, positions)
+        if self.sparse and cache is None and self._absorbable():
+            q, k, v, expand = self._absorbed(q_nope, q_rot, latent, k_rot)
+        else:
+            kv = self.wkv_b(latent).view(bsz, seq, -1, a.qk_nope_head_dim + a.v_head_dim)
+            k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+            q = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)
+            k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1).transpose(1, 2)
+            v, expand = v.transpose(1, 2), None
         if self.sparse:
             out = self._sparse(x, q_latent, positions, q, k, v, cache, documents)
+            out = out if expand is None else expand(out)
         else:
             if cache is not None:
                 k, v = cache.update(k, v)
             out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _absorbable(self) -> bool:
+        """Whether wkv_b computes with its weight alone (no adapter or converted matmul beside it)."""
+        return type(self.wkv_b) is nn.Linear and not self.wkv_b._forward_hooks
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor):
+        """Sparse attention in the latent (DeepSeek's inference form, what sparse kernels take): a head's key part
+        W_k c and value W_v c both expand the one latent c, so q . W_k c = (W_k^T q) . c and the output W_v (sum p c):
+        every head reads one shared key [latent; rope key] and value [latent] (MQA), gathered once per selected key
+        instead of once per head. -> (queries [b, heads, s, latent + rope], keys [b, 1, s, latent + rope], values
+        [b, 1, s, latent], the map of outputs [b, heads, s, latent] to the heads' values)."""
+        a = self.args
+        w = self.wkv_b.weight
+        w = (w.to_local() if isinstance(w, DTensor) else w).view(-1, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+        w_k, w_v = w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)  # this rank's heads
+        q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_k), q_rot], dim=-1).transpose(1, 2)
+        k = torch.cat([latent.unsqueeze(2), k_rot], dim=-1).transpose(1, 2)
+        return q, k, latent.unsqueeze(1), lambda out: torch.einsum("bhsc,hvc->bhsv", out, w_v)
 
     @torch.compiler.disable  # the step count changes every step: read in a compiled block, it would recompile it
     def _dense_now(self) -> bool:  # each step (a graph break, only in runs with a warm-up)
