@@ -243,7 +243,7 @@ def evaluation(d: Draft) -> None:
                           "evaluate the checkpoints with python -m tessera.eval")
     from tessera.eval.tasks import resolve
 
-    resolve(cfg.eval.tasks)
+    resolve(cfg.eval.tasks, cfg.eval.num_fewshot)
 
 
 def lora(d: Draft) -> None:
