@@ -37,11 +37,11 @@ def adapted_weight(lora_a: str) -> str:
     return lora_a.removesuffix(".lora_a") + ".weight" if lora_a.endswith(".lora_a") else lora_a.removesuffix("_lora_a")
 
 
-def _names_end(fqn: str, name: str) -> bool:
+def names_end(fqn: str, name: str) -> bool:
     return fqn == name or fqn.endswith("." + name)  # whole name parts: `wo` is not `w`
 
 
-def _adaptable(model: nn.Module):
+def adaptable(model: nn.Module):
     """(bare name, module, stack or None, (out, in)) of every linear and stacked expert weight."""
     for fqn, m in model.named_modules():
         name = bare_name(fqn + ".").rstrip(".")
@@ -53,7 +53,7 @@ def _adaptable(model: nn.Module):
 
 def targets(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module, str | None, tuple[int, int]]]:
     """The linears and expert stacks whose bare names end with one of `names`."""
-    return [t for t in _adaptable(model) if any(_names_end(t[0], n) for n in names)]
+    return [t for t in adaptable(model) if any(names_end(t[0], n) for n in names)]
 
 
 def check_targets(model: nn.Module, cfg: Lora) -> None:
@@ -62,9 +62,9 @@ def check_targets(model: nn.Module, cfg: Lora) -> None:
     if cfg.rank == 0:
         return
     found = targets(model, cfg.target_modules)
-    if missing := [n for n in cfg.target_modules if not any(_names_end(f, n) for f, *_ in found)]:
-        raise ConfigError(f"lora.target_modules: {', '.join(missing)} match(es) no linear of this model; name the "
-                          f"ends of linear names, e.g. {', '.join(_examples(model))}")
+    if missing := [n for n in cfg.target_modules if not any(names_end(f, n) for f, *_ in found)]:
+        raise ConfigError(f"lora.target_modules: {', '.join(missing)} match(es) no linear of this model, by its names "
+                          f"or Hugging Face's; name the ends of linear names, e.g. {', '.join(_examples(model))}")
     for fqn, _, _, (out, inp) in found:
         if cfg.rank > min(inp, out):
             raise ConfigError(f"lora.rank: {cfg.rank} is above {fqn}'s size ({out} x {inp}); a rank of at most "
@@ -90,7 +90,7 @@ def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
 
 
 def _examples(model: nn.Module) -> list[str]:
-    return list(dict.fromkeys(fqn.rsplit(".", 1)[-1] for fqn, *_ in _adaptable(model)))[:8]
+    return list(dict.fromkeys(fqn.rsplit(".", 1)[-1] for fqn, *_ in adaptable(model)))[:8]
 
 
 def _add_update(linear: nn.Module, args: tuple, out: torch.Tensor, *, scale: float, dropout: float) -> torch.Tensor:

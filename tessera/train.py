@@ -277,7 +277,7 @@ def log_window(tr: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, lr: flo
     stall, tr.checkpointer.stall_s = tr.checkpointer.stall_s, 0.0
     record = {"loss": dp_mean(loss, tr.world), "grad_norm": grad_norm.item(),
               "lr": lr, "tps": tps, "tflops": tps * tr.flops_per_token / 1e12,
-              "mfu": tps * tr.flops_per_token / tr.peak_flops, "memory_gib": peak_memory_gib(tr.world.device),
+              "mfu": tr.peak.mfu(tps * tr.flops_per_token), "memory_gib": peak_memory_gib(tr.world.device),
               "data_share": data_s / elapsed, "checkpoint_stall_s": stall,
               "samples_per_s": tps / tr.cfg.training.seq_len}  # sequences (Flux: images) per second per device
     if trained is not None:

@@ -26,7 +26,7 @@ from tessera.eval.loop import evaluator
 from tessera.ft import check as ft_check
 from tessera.ft.semisync import build_outer_state
 from tessera.memory import LiveBytes
-from tessera.metrics import MetricsLogger, peak_flops
+from tessera.metrics import MetricsLogger, Peak, peak_flops
 from tessera.models.common.chunked_loss import summed_cross_entropy
 from tessera.models.common.decoder import Decoder
 from tessera.models.common.rope import document_positions
@@ -60,7 +60,7 @@ class Trainer:
     checkpointer: Checkpointer
     tokenizer: object
     flops_per_token: float
-    peak_flops: float
+    peak: Peak  # the FLOP/s MFU divides by
     token_loss: bool  # loss_fn sums the token cross-entropy over trained tokens (else: the family's own mean)
     batch_fn: Callable  # (loader) -> this rank's (model inputs by keyword, labels) on its device: the family's
     # hook, or token_batch, given the run's BatchView
@@ -300,12 +300,12 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     loaders = data(cfg, world, args, ("train", "validation") if cfg.validation.enable else ("train",), bad)
     loader, val_loader = loaders["train"], loaders.get("validation")
     counts = lora.trained_counts(fam.counts(args, t.seq_len), cfg.lora)  # of the whole model, whatever this rank holds
-    peak, peak_source = peak_flops(world.device, cfg.metrics.peak_flops)
+    peak = Peak(*peak_flops(world.device, cfg.metrics.peak_flops), say=world.rank == 0)
     log.info(f"model {cfg.model.name} {cfg.model.flavor or '(architecture from its checkpoint or config.json)'}: "
              f"{counts.params:,} parameters{f' ({counts.active:,} active)' if counts.active != counts.params else ''}, "
              f"vocab {args.vocab_size}; {world.size} rank(s) on "
              f"{world.device.type}, {world.dims}; grad accumulation {grad_accum}")
-    log.info(f"peak FLOP/s {peak:.3g} ({peak_source}); data: {t.dataset} {t.dataset_path}".rstrip())
+    log.info(f"peak FLOP/s {peak.flops:.3g} ({peak.source}); data: {t.dataset} {t.dataset_path}".rstrip())
     step = build_step(cfg, world, spec, model, pipeline=pipeline, loss=loss, scale=scale, batch=run.batch)
     progress = Progress()
     saved = Saved(model=model, optimizer=optimizer, scheduler=scheduler, data=loader, progress=progress,
@@ -328,7 +328,7 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
     tr = Trainer(cfg=cfg, world=world, step_parts=step, model_args=args, optimizer=optimizer,
                  scheduler=scheduler, loader=loader, val_loader=val_loader,
                  metrics=metrics, checkpointer=checkpointer, tokenizer=tokenizer,
-                 flops_per_token=counts.flops_per_token, peak_flops=peak, token_loss=own is None,
+                 flops_per_token=counts.flops_per_token, peak=peak, token_loss=own is None,
                  batch_fn=replicas.batch if replicas is not None else fetch,  # a group's replays a step run again
                  after_optimizer_step=post_optimizer_hook(model, cfg), bad_records=bad, balancer=balancer,
                  progress=progress, evaluate=evaluate,

@@ -255,8 +255,12 @@ def test_damaged_in_place_falls_back_and_keep_latest_k_keeps_the_good_one(tmp_pa
 
 
 def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skipped):
+    """A damaged export is refused by convert, from_pretrained and initial_load_path, a damaged seed skipped; a step
+    folder whose save did not finish (no marker) is refused by convert, tessera.eval, tessera.generate and
+    initial_load_path, naming it, as resume skips it."""
     from tessera import convert
-    from tessera.generate import from_pretrained
+    from tessera.eval.__main__ import main as evaluate
+    from tessera.generate import from_pretrained, main as generate
     from tessera.train import main
 
     run_train(["--job.dump_folder", str(tmp_path / "run"), *CKPT], 2)  # the final save exports the model too
@@ -277,6 +281,21 @@ def test_damaged_export_and_seed_are_refused_or_skipped(tmp_path, capsys, skippe
     code = main([*BASE, "--job.dump_folder", str(tmp_path / "from_export"), "--checkpoint.enable",
                  "--checkpoint.initial_load_path", str(export), "--training.steps", "2"])
     assert code == 2 and f"checkpoint.initial_load_path: {named}" in capsys.readouterr().err
+    unfinished = tmp_path / "cut/step-2"  # its files all there, the save stopped before the marker
+    shutil.copytree(tmp_path / "run/checkpoint/step-2", unfinished)
+    (unfinished / ".complete").unlink()
+    said = f"'{unfinished}' is unfinished: no .complete marker: its save was interrupted; pick another checkpoint"
+    with pytest.raises(SystemExit, match="2"):
+        convert.main(["dcp-to-hf", str(unfinished), str(tmp_path / "hf")])
+    assert capsys.readouterr().err == f"python -m tessera.convert: error: {said}\n"
+    assert not (tmp_path / "hf").exists()
+    load = ["--checkpoint.initial_load_path", str(unfinished)]
+    assert evaluate([*load, "--eval.tasks", str(ROOT / "tests/eval_tasks/mc.yaml")]) == 2
+    assert capsys.readouterr().err == f"tessera.eval: checkpoint: {said}\n"
+    assert generate(load) == 2 and capsys.readouterr().err == f"tessera.generate: checkpoint: {said}\n"
+    code = main([*BASE, "--job.dump_folder", str(tmp_path / "from_cut"), "--checkpoint.enable", *load,
+                 "--training.steps", "2"])
+    assert code == 2 and capsys.readouterr().err == f"tessera: checkpoint.initial_load_path: {said}\n"
     seed = tmp_path / "seed"
     assert main([*BASE, "--job.dump_folder", str(seed), "--checkpoint.enable",
                  "--checkpoint.create_seed_checkpoint"]) == 0

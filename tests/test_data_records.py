@@ -83,6 +83,27 @@ def test_bad_elements_of_an_array_are_named_by_line_and_element(tmp_path, small_
         list(documents("files", str(path), "text", "train", 0, 0))
 
 
+@pytest.mark.fast
+def test_a_byte_order_mark_starting_a_file_is_no_part_of_its_first_record(tmp_path):
+    """UTF-8 with a byte-order mark (as editors on Windows save it): JSON Lines (.jsonl, and .json holding lines), a
+    .txt document and chat records read as they do without it, the first record kept and no bad one counted."""
+    from tessera.data.examples import file_rows
+
+    lines = "".join(json.dumps(r) + "\n" for r in ROWS[:20])
+    for name, text in (("rows.jsonl", lines), ("rows.json", lines), ("doc.txt", "a document\n")):
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        (tmp_path / "marked").mkdir(exist_ok=True)
+        plain, marked = tmp_path / "plain" / name, tmp_path / "marked" / name
+        plain.write_text(text, encoding="utf-8")
+        marked.write_text(text, encoding="utf-8-sig")
+        assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+        bad = BadRecords(-1, quiet=True)
+        want = list(documents("files", str(plain), "text", "train", 0, 0))
+        assert list(documents("files", str(marked), "text", "train", 0, 0, bad=bad)) == want and bad.count == 0
+        if name != "doc.txt":
+            assert [row for row, _ in file_rows(marked, bad, "messages")] == ROWS[:20] and bad.count == 0
+
+
 def _garbage(path, good_every: int, n: int = 300) -> str:
     """`n` records; one in `good_every` is a document, the others are cut off."""
     return _write(path, "".join((json.dumps({"text": f"document {k} " * 5}) if k % good_every == 0 else

@@ -212,6 +212,29 @@ def test_a_run_logs_the_indexer_loss_and_the_warmup_changes_what_it_trains(tmp_p
         f"deepseek_v3.dense_warmup_steps: 2 {at}, 3 from here on"]
 
 
+def test_a_dense_warmup_as_long_as_the_run_is_said_in_one_line(caplog):
+    """deepseek_v3.dense_warmup_steps >= training.steps: the run never attends sparsely (legitimate: the V3.2 report's
+    first stage); one warning line says so. A shorter warm-up says nothing."""
+    from tessera.preflight import validate
+    from tessera.schema import parse_args
+    from tests.dist_worker import BASE
+    from tests.launch import merge
+
+    label = "deepseek_v3 v32_debugmodel"
+    cases = [("4", "4", "all", "every key attended"), ("4", "9", "indexer", "every key attended, the indexers alone "
+                                                                            "trained"), ("4", "3", "all", None)]
+    for steps, warmup, trains, what in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tessera"):
+            validate(parse_args(merge(BASE, ["--model.name", "deepseek_v3", "--model.flavor", "v32_debugmodel",
+                                             "--training.steps", steps, "--deepseek_v3.dense_warmup_steps", warmup,
+                                             "--deepseek_v3.dense_warmup_trains", trains])), 1)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("deepseek_v3.dense_warmup")]
+        assert said == ([f"deepseek_v3.dense_warmup_steps: {warmup}, and training.steps is {steps}: every step of "
+                         f"this run is the dense warm-up ({what}), so {label} never trains sparse; set it below "
+                         f"training.steps to train the sparse attention"] if what else [])
+
+
 def test_an_indexer_only_warmup_trains_the_indexers_alone_then_everything(tmp_path):
     """deepseek_v3.dense_warmup_trains = "indexer": in the 2 warm-up steps only the indexers change (the others keep
     no gradient: no update, no weight decay, and the experts' selection bias stays); from step 3 all train. A flavor

@@ -109,6 +109,13 @@ def test_lm_evals_command_line_with_the_tessera_model_scores_as_tessera_eval(fol
     assert harness.returncode == 0, harness.stderr[-3000:]
     written = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
     assert written["results"]["tessera_test_mc"]["acc,none"] == scores["tessera_test_mc/acc"]
+    # Without --json, lm-eval's table with its column names (not the A, B, C of pytablewriter 0.38)
+    assert main(["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder), "--eval.tasks",
+                 YAMLS[0]]) == 0
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr"]
+    assert [row[4:7] for row in rows[2:]] == [["acc", "↑", f"{scores['tessera_test_mc/acc']:.4f}"],
+                                              ["acc_norm", "↑", f"{scores['tessera_test_mc/acc_norm']:.4f}"]]
 
 
 @pytest.mark.parametrize("tasks, expect", [
@@ -120,6 +127,51 @@ def test_unknown_tasks_are_refused_with_the_nearest_names(tasks, expect):
 
     with pytest.raises(ConfigError, match=expect):
         resolve([tasks])
+
+
+def _task_copy(folder: Path, name: str, change: tuple[str, str] = ("", "")) -> str:
+    """tests/eval_tasks/<name>.yaml and its data in `folder`, the YAML's text changed as `change` says."""
+    for suffix in (".yaml", ".jsonl"):
+        text = (TASKS / f"{name}{suffix}").read_text()
+        (folder / f"{name}{suffix}").write_text(text.replace(*change) if suffix == ".yaml" else text)
+    return str(folder / f"{name}.yaml")
+
+
+BAD_TASKS = {  # name: (the task, [eval] flags, the line: {} the task's YAML, {dir} its folder)
+    "missing_data_file": (("mc", ("test: mc.jsonl", "test: mc_questions.jsonl")), [],
+                          "eval.tasks: {} reads {dir}/mc_questions.jsonl (dataset_kwargs.data_files, taken from the "
+                          "YAML's folder), which does not exist; fix the path in the YAML, or put the file there"),
+    "num_fewshot": (("gen", ("", "")), ["--eval.num_fewshot", "4"],
+                    "eval.num_fewshot: 4, but task tessera_test_gen ({}) draws its shots from the 3 examples of its "
+                    "test split; at most 3, or give the task more examples (a fewshot_split)"),
+    "its_own_num_fewshot": (("mc", ("test_split: test", "test_split: test\nfewshot_split: test\nnum_fewshot: 6")),
+                            [], "eval.tasks: {}'s num_fewshot 6, but task tessera_test_mc ({}) draws its shots from "
+                                "the 6 examples of its test split other than the question; at most 5, or give the "
+                                "task more examples (a fewshot_split)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TASKS)
+def test_a_task_that_would_fail_at_its_first_evaluation_is_refused_before_the_run(case, tmp_path, capsys):
+    """A data file a task YAML names that is not there, and more shots than a task's examples give (lm-eval's
+    "Sample larger than population"): one line, exit 2, from the launch check before any rank trains, and from
+    python -m tessera.eval before the model loads. The most shots a task gives run."""
+    from tessera.config_cli import main as check
+    from tessera.eval.__main__ import main as evaluate
+
+    (name, change), flags, line = BAD_TASKS[case]
+    task = _task_copy(tmp_path, name, change)
+    expect = line.format(task, task, dir=tmp_path)
+    assert check(["--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "run"), "--eval.tasks", task,
+                  *flags]) == 2
+    assert capsys.readouterr().err == f"tessera: {expect}\n"
+    assert evaluate(["--checkpoint.initial_load_path", str(tmp_path / "none"), "--eval.tasks", task, *flags]) == 2
+    assert capsys.readouterr().err == f"tessera.eval: {expect}\n"
+    assert not (tmp_path / "run").exists()
+    if flags:
+        from tessera.eval.tasks import resolve
+
+        assert resolve([task], 3)[0]["task"] == "tessera_test_gen"
 
 
 def test_a_hub_task_while_offline_is_refused_in_one_line(tmp_path, monkeypatch):

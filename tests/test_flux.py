@@ -363,7 +363,8 @@ def _pictures(n: int):
 def test_folder_jsonl_and_webdataset_pairs_resume_and_split_across_ranks(tmp_path):
     """The same 120 pictures as a folder of image + .txt files, as a jsonl, as two tar shards (cc12m's layout) and as
     a Hugging Face dataset (an imagefolder read by datasets.load_dataset):
-    the three read the same pairs (resized, center-cropped); two ranks take disjoint samples whose union is one
+    the three read the same pairs (resized, center-cropped), their captions and the jsonl saved with a UTF-8
+    byte-order mark (which is no part of a caption); two ranks take disjoint samples whose union is one
     rank's; a loader restored from a state continues with the same samples; 1 in 100 is held out."""
     import io
     import shutil
@@ -375,16 +376,16 @@ def test_folder_jsonl_and_webdataset_pairs_resume_and_split_across_ranks(tmp_pat
     lines, shards = [], [tarfile.open(tmp_path / f"shard-{k}.tar", "w") for k in range(2)]
     for i, (image, caption) in enumerate(_pictures(120)):
         image.save(tmp_path / "folder" / f"{i:04d}.png")
-        (tmp_path / "folder" / f"{i:04d}.txt").write_text(caption)
+        (tmp_path / "folder" / f"{i:04d}.txt").write_text(caption, encoding="utf-8-sig")
         lines.append(json.dumps({"image": f"folder/{i:04d}.png", "caption": caption}))
         for name, data in ((f"{i:04d}.png", (tmp_path / "folder" / f"{i:04d}.png").read_bytes()),
-                           (f"{i:04d}.txt", caption.encode())):
+                           (f"{i:04d}.txt", caption.encode("utf-8-sig"))):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             shards[i // 60].addfile(info, io.BytesIO(data))
     for shard in shards:
         shard.close()
-    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\nnot json\n")
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\nnot json\n", encoding="utf-8-sig")
     shutil.copytree(tmp_path / "folder", tmp_path / "hub", ignore=shutil.ignore_patterns("*.txt"))
     (tmp_path / "hub" / "metadata.jsonl").write_text("\n".join(  # the pictures as a datasets imagefolder
         json.dumps({"file_name": f"{i:04d}.png", "caption": c}) for i, (_, c) in enumerate(_pictures(120))))

@@ -98,6 +98,8 @@ def test_hsdp_and_ep_equal_one_process_and_adapters_resume_on_one(tmp_path):
     (["--optimizer.name", "Muon"], "optimizer.name: Muon orthogonalizes whole weight matrices"),
     (["--lora.target_modules", ""], "lora.target_modules: empty"),
     (["--job.config_file", str(ROOT / "configs/flux_debug.toml")], "lora.rank: flux takes no adapters"),
+    (["--lora.alpha", "0"], r"^lora.alpha: 0 scales every adapter's update by alpha / rank = 0, so the run would "
+                            r"train nothing; set it above 0 \(e.g. 16, or 2 x lora.rank = 8\)$"),
 ])
 def test_bad_settings_are_refused_before_ranks_start(argv, expect):
     with pytest.raises(ConfigError, match=expect):
@@ -105,8 +107,9 @@ def test_bad_settings_are_refused_before_ranks_start(argv, expect):
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--lora.target_modules", "wq,q_proj"], "lora.target_modules: q_proj match.es. no linear of this model; name "
-                                              "the ends of linear names, e.g. wq, wk, wv, wo, w1, w2, w3, output"),
+    (["--lora.target_modules", "wq,query"], "lora.target_modules: query match.es. no linear of this model, by its "
+                                             "names or Hugging Face's; name the ends of linear names, e.g. wq, wk, wv, "
+                                             "wo, w1, w2, w3, output"),
     (["--lora.rank", "100"], r"lora.rank: 100 is above layers.0.attention.wq's size \(64 x 64\)"),
     (["--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--lora.target_modules", "experts.w2",
       "--checkpoint.enable", "--checkpoint.last_save_in_hf"],
@@ -125,6 +128,33 @@ def test_targets_and_ranks_the_model_cannot_take_are_refused_before_ranks_start(
         validate(parse_args(merge(BASE, LORA, argv)), 1, launch=True, training=True)
     with tempfile.TemporaryDirectory() as dump, pytest.raises(ConfigError, match=expect):
         _trainer([*LORA, *argv], 1, dump)
+
+
+@pytest.mark.fast
+def test_hugging_face_names_of_the_linears_are_taken_as_the_models_own(caplog):
+    """The names PEFT users write (transformers' modules) pick the linears the family's Hugging Face layout gives
+    them, named in one line: the adapters of the model's own names. A block kind whose own projections Hugging Face
+    fuses (Qwen 3.5's DeltaNet) keeps none: its full-attention blocks' q_proj alone."""
+    from tessera.lora import apply_lora, targets
+
+    cases = [([], "q_proj,v_proj,self_attn.o_proj,down_proj", ["wq", "wv", "wo", "w2"],
+              "q_proj -> wq (2 linears); v_proj -> wv (2 linears); self_attn.o_proj -> wo (2 linears); down_proj -> w2 "
+              "(2 linears)"),
+             (["--model.name", "qwen3_5", "--model.flavor", "tiny"], "q_proj", ["layers.1.attention.wq",
+                                                                             "layers.3.attention.wq"],
+              "q_proj -> layers.1.attention.wq, layers.3.attention.wq (2 linears)")]
+    for model, hf, ours, said in cases:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tessera"):
+            run = validate(parse_args(merge(BASE, LORA, [*model, "--lora.target_modules", hf])), 1, launch=True,
+                           training=True)
+        assert run.cfg.lora.target_modules == ours
+        name = run.cfg.model.name
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("lora.")] == [
+            f"lora.target_modules: Hugging Face names of {name}'s linears, taken as its own: {said}"]
+        with torch.device("meta"):
+            built = run.family.spec().model(run.args)
+        assert sorted(apply_lora(built, run.cfg.lora)) == sorted(f for f, *_ in targets(built, ours)) != []
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["peft", "merged"])

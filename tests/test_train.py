@@ -21,12 +21,30 @@ def test_outputs_config_metrics_and_validation(tmp_path):
                      "--validation.freq", "2", "--validation.steps", "1", "--metrics.enable_tensorboard")
     assert [r["step"] for r in rows] == [2, 4]
     assert {"loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "data_share"} <= rows[0].keys()
-    assert all(r["tps"] > 0 and 0 < r["mfu"] < 2 and r["memory_gib"] > 0 for r in rows)
+    assert all(r["tps"] > 0 and 0 < r["mfu"] <= 1 and r["memory_gib"] > 0 for r in rows)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "validation/loss" in x] == [2, 4]
     saved = tomllib.loads((tmp_path / "config.toml").read_text())
     assert saved["training"]["steps"] == 4 and saved["model"]["flavor"] == "tiny"
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.fast
+def test_mfu_never_passes_100_percent(caplog):
+    """A step faster than the peak (a GEMM measured while the machine was busier, a metrics.peak_flops too low)
+    proves the peak low: the ceiling rises to the FLOP/s achieved, said in one line, once."""
+    from tessera.metrics import Peak
+
+    peak = Peak(1e9, "measured fp32 GEMM on CPU (2 threads)")
+    with caplog.at_level("WARNING", logger="tessera"):
+        shares = [peak.mfu(flops) for flops in (5e8, 1.25e9, 1e9, 2e9, 1e9)]
+    assert shares == [0.5, 1.0, 0.8, 1.0, 0.5]
+    assert [r.getMessage() for r in caplog.records] == [
+        "mfu: 1.25e+09 FLOP/s achieved, above the peak of 1e+09 (measured fp32 GEMM on CPU (2 threads)), which is "
+        "therefore uncertain: MFU is taken against the highest FLOP/s achieved from here on; set metrics.peak_flops "
+        "to the device's peak for a fixed one"]
+    quiet = Peak(1e9, "metrics.peak_flops", say=False)  # a rank other than 0
+    assert quiet.mfu(3e9) == 1.0 and quiet.flops == 3e9 and len(caplog.records) == 1
 
 
 def test_non_finite_loss_stops_with_step(tmp_path, capsys):

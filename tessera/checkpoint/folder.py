@@ -223,17 +223,25 @@ def no_marker(path: str) -> str:
 
 
 def damage(path: str) -> str | None:
-    """What is wrong with a folder that has a marker (a checkpoint or an export), its content included: a line
-    naming the file; None when it is intact or has no marker (a folder Tessera did not write)."""
+    """What is wrong with a folder Tessera wrote (a checkpoint or an export), its content included: a line naming
+    the file, or the marker a DCP checkpoint with Tessera's records lacks (a save that did not finish, as resume
+    skips it); None when it is intact or not Tessera's (a Hugging Face download, another tool's DCP folder)."""
     marker = read_marker(path)
     try:
-        if marker is None and os.path.exists(os.path.join(path, MARKER)):
+        if marker is None and (os.path.exists(os.path.join(path, MARKER)) or _unfinished_save(path)):
             raise CorruptCheckpoint(no_marker(path))
         if marker is not None:
             verify(path, marker)
     except CorruptCheckpoint as e:
-        return f"'{path}' is damaged: {e}; pick another checkpoint"
+        state = "damaged" if os.path.exists(os.path.join(path, MARKER)) else "unfinished"
+        return f"'{path}' is {state}: {e}; pick another checkpoint"
     return None
+
+
+def _unfinished_save(path: str) -> bool:
+    """A DCP checkpoint that holds the records a Tessera save writes before its marker (config.toml, model.json)."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and any(
+        os.path.isfile(os.path.join(path, name)) for name in (MODEL_RECORD, "config.toml"))
 
 
 def read_model_record(path: str) -> dict | None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tessera import models
 from tessera.config import ConfigError
 from tessera.config.sections import Lora
-from tessera.lora import ADAPTERS, adapted_weight, is_adapter, targets
+from tessera.lora import ADAPTERS, adaptable, adapted_weight, is_adapter, names_end, targets
 from tessera.parallel.tp import local
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -54,6 +54,40 @@ def _hf_module(hf, linear: str, state: dict) -> str:
         raise ConfigError(f"lora: {linear}'s weight is not stored as it is in the Hugging Face layout, so its "
                           f"adapter has no PEFT name; export with lora.merge_on_export = true")
     return name.removesuffix(".weight")
+
+
+def own_targets(model: torch.nn.Module, names: list[str], family: str) -> tuple[list[str], dict[str, list[str]]]:
+    """lora.target_modules in this model's own names. A name that ends none of its linears and expert stacks but ends
+    the Hugging Face names of some of its linears (q_proj, v_proj: transformers' modules, what PEFT users write)
+    stands for those linears, named by the shortest ends of ours that pick them and no others. Returns the names and
+    {each name taken from Hugging Face: the ends of ours it became}; a name neither knows is kept (check_targets
+    refuses it)."""
+    ours = [fqn for fqn, *_ in adaptable(model)]
+    unknown = [n for n in names if not any(names_end(f, n) for f in ours)]
+    hf = models.family(family).hf
+    if not unknown or hf is None:
+        return names, {}
+    state, theirs = model.state_dict(), {}
+    for fqn in (fqn for fqn, _, stack, _ in adaptable(model) if stack is None):
+        try:
+            theirs[fqn] = _hf_module(hf, fqn, state)
+        except ConfigError:  # stored fused or otherwise changed: no module of transformers' is this linear alone
+            pass
+    out, mapped = [], {}
+    for name in names:
+        picked = {fqn for fqn, module in theirs.items() if names_end(module, name)} if name in unknown else set()
+        if picked:
+            mapped[name] = list(dict.fromkeys(_shortest_end(fqn, ours, picked) for fqn in sorted(picked)))
+        out += [n for n in mapped.get(name, [name]) if n not in out]
+    return out, mapped
+
+
+def _shortest_end(fqn: str, ours: list[str], picked: set[str]) -> str:
+    """The shortest end of `fqn` (whole name parts, not starting at a block's number) that ends no name of `ours`
+    outside `picked`."""
+    parts = fqn.split(".")
+    ends = (".".join(parts[-k:]) for k in range(1, len(parts) + 1) if not parts[-k].isdigit())
+    return next(e for e in ends if all(f in picked for f in ours if names_end(f, e)))
 
 
 def _peft_names(hf, state: dict):

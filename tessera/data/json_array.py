@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 _CHUNK = 1 << 20
 _WHITESPACE = b" \t\r\n"
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which a text file may start with
 _STRUCTURE = re.compile(rb'[\[\]{}",]')  # outside strings: what may end an element
 _STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)  # inside a string: the rest of it, to its end
 
@@ -23,8 +23,8 @@ _STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)  # inside a string
 def is_array(f: BinaryIO) -> bool:
     """Whether the file's first byte after whitespace (and a UTF-8 byte-order mark) is '['. Leaves `f` at 0."""
     f.seek(0)
-    head = f.read(len(_BOM))
-    head = head[len(_BOM):] if head == _BOM else head
+    head = f.read(len(BOM))
+    head = head[len(BOM):] if head == BOM else head
     while head is not None:
         rest = head.lstrip(_WHITESPACE)
         if rest:

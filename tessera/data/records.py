@@ -2,7 +2,8 @@
 that is not a string) is skipped and counted with its file and line, never replaced or guessed at.
 
 The forms read: .txt (the file is one document), .jsonl (one JSON object per line), .json (one JSON array of
-objects, when its first byte after whitespace is '[', else JSON Lines as .jsonl), .parquet (a string column)."""
+objects, when its first byte after whitespace is '[', else JSON Lines as .jsonl), .parquet (a string column). Text is
+UTF-8, a byte-order mark at the start of a file allowed (as editors on Windows save it) and not part of the text."""
 
 import json
 import logging
@@ -92,7 +93,7 @@ def json_texts(file: Path, text_field: str, bad: BadRecords, start: int = 0,
 
 
 def _txt(file: Path, bad: BadRecords) -> str | None:
-    raw = file.read_bytes()
+    raw = file.read_bytes().removeprefix(json_array.BOM)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -118,6 +119,8 @@ def json_records(f, file: Path, start: int = 0, end: int | None = None) -> Itera
     if start:
         f.seek(start - 1)
         f.readline()  # the line holding byte start - 1 belongs to the piece before
+    elif f.read(len(json_array.BOM)) != json_array.BOM:
+        f.seek(0)
     n, pos = 0, f.tell()
     while (end is None or pos < end) and (raw := f.readline()):
         n += 1

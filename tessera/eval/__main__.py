@@ -6,9 +6,9 @@
 
 The model is `checkpoint.initial_load_path` (a Tessera checkpoint folder in any layout, or with
 `initial_load_in_hf` a Hugging Face folder), else the newest checkpoint under `job.dump_folder`; the tokenizer is
-`model.hf_assets_path`, else the Hugging Face folder's own, else bytes. It prints lm-eval's table (with --json, the
-results as JSON). The same model is lm-eval's `tessera`: `python -m tessera.eval.harness --model tessera
---model_args checkpoint=DIR,hf=true --tasks ...` is lm-eval's command line with it registered.
+`model.hf_assets_path`, else the Hugging Face folder's own, else bytes. It prints lm-eval's table of the results
+(with --json, the scores as JSON). The same model is lm-eval's `tessera`: `python -m tessera.eval.harness --model
+tessera --model_args checkpoint=DIR,hf=true --tasks ...` is lm-eval's command line with it registered.
 """
 
 import contextlib
@@ -34,9 +34,9 @@ def main(argv: list[str]) -> int:
         c = cfg.checkpoint
         source = c.initial_load_path or cfg.job.dump_folder
         from tessera.eval.lm import TesseraLM, lm_tokenizer
-        from tessera.eval.tasks import evaluate, resolve, scores
+        from tessera.eval.tasks import evaluate, resolve, scores, table
 
-        resolve(cfg.eval.tasks)  # before the model loads
+        resolve(cfg.eval.tasks, cfg.eval.num_fewshot)  # before the model loads
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the results
             model, tokenizer = from_pretrained(source, pick_device("auto"), hf=c.initial_load_in_hf or None,
                                                max_seq_len=None, hf_assets_path=cfg.model.hf_assets_path)
@@ -49,9 +49,7 @@ def main(argv: list[str]) -> int:
     if as_json:
         print(json.dumps(scores(results), indent=1))
     else:
-        from lm_eval.utils import make_table
-
-        print(make_table(results))
+        print(table(results))
     return 0
 
 

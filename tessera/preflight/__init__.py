@@ -44,7 +44,8 @@ CHECKS = (
     options.activation_checkpoint,
     options.compile,
     options.muon,
-    options.lora,
+    options.lora,  # resolves draft.cfg's lora.target_modules (Hugging Face names as the model's own)
+    resume.lora,
     options.evaluation,
     options.live_memory,
     layout.vocabulary,

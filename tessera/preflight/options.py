@@ -3,7 +3,9 @@ checkpoints, Float8 / MX, activation checkpointing, compile, Muon, live memory).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import tempfile
@@ -20,6 +22,8 @@ from tessera.config.sections import (
 )
 from tessera.ft import check as ft_check
 from tessera.preflight.draft import Draft
+
+log = logging.getLogger("tessera")
 
 
 def replica_group(d: Draft) -> None:
@@ -239,10 +243,12 @@ def evaluation(d: Draft) -> None:
                           "evaluate the checkpoints with python -m tessera.eval")
     from tessera.eval.tasks import resolve
 
-    resolve(cfg.eval.tasks)
+    resolve(cfg.eval.tasks, cfg.eval.num_fewshot)
 
 
 def lora(d: Draft) -> None:
+    """[lora]: a family that takes adapters, an optimizer of low-rank updates, an alpha that scales them; resolves
+    draft.cfg's lora.target_modules into the model's own names (Hugging Face's, as PEFT users write them, mapped)."""
     cfg = d.cfg
     if not cfg.lora.rank:
         return
@@ -252,18 +258,12 @@ def lora(d: Draft) -> None:
     if cfg.optimizer.name == "Muon":
         raise ConfigError("optimizer.name: Muon orthogonalizes whole weight matrices, and LoRA trains low-rank "
                           "adapters beside frozen ones; use AdamW with lora.rank > 0")
+    if not cfg.lora.alpha:
+        raise ConfigError(f"lora.alpha: 0 scales every adapter's update by alpha / rank = 0, so the run would train "
+                          f"nothing; set it above 0 (e.g. 16, or 2 x lora.rank = {2 * cfg.lora.rank})")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules: empty; name the linears to adapt, e.g. [\"wq\", \"wv\"]")
-    if d.launch:  # the targets against the model's own names before any rank starts (torch, for LoRA runs only)
-        import torch
-
-        from tessera.checkpoint.peft import check_exportable
-        from tessera.lora import check_targets
-
-        with torch.device("meta"):
-            model = d.family.spec().model(d.args)
-        check_targets(model, cfg.lora)
-        check_exportable(model, cfg, cfg.model.name)
+    _lora_targets(d)
     if cfg.lora.initial_adapter_path:
         saved = _peft_config(cfg.lora.initial_adapter_path)
         for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
@@ -271,6 +271,32 @@ def lora(d: Draft) -> None:
                 raise ConfigError(f"lora.{ours}: {getattr(cfg.lora, ours)}, but the adapters of "
                                   f"lora.initial_adapter_path '{cfg.lora.initial_adapter_path}' have {theirs} = "
                                   f"{saved.get(theirs)}; set lora.{ours} = {saved.get(theirs)}")
+
+
+def _lora_targets(d: Draft) -> None:
+    """Resolves the targets on the model built on the meta device (torch, for LoRA runs only); at the launch,
+    checks them before any rank starts."""
+    import torch
+
+    from tessera.checkpoint.peft import check_exportable, own_targets
+    from tessera.lora import check_targets, targets
+
+    with torch.device("meta"):
+        model = d.family.spec().model(d.args)
+    lora = d.cfg.lora
+    names, mapped = own_targets(model, lora.target_modules, d.cfg.model.name)
+    if mapped:
+        d.cfg = dataclasses.replace(d.cfg, lora=dataclasses.replace(lora, target_modules=names))
+        said = "; ".join(f"{hf} -> {', '.join(ours)} ({_linears(len(targets(model, ours)))})"
+                         for hf, ours in mapped.items())
+        log.info(f"lora.target_modules: Hugging Face names of {d.cfg.model.name}'s linears, taken as its own: {said}")
+    if d.launch:
+        check_targets(model, d.cfg.lora)
+        check_exportable(model, d.cfg, d.cfg.model.name)
+
+
+def _linears(n: int) -> str:
+    return f"{n} linear{'s' if n != 1 else ''}"
 
 
 def _peft_config(folder: str) -> dict:

@@ -31,7 +31,6 @@ def resume_point(d: Draft) -> None:
             check_resumed_data(cfg, path, d.resumed_config.get("training", {}))
         if "optimizer" not in cfg.checkpoint.exclude_from_loading:
             _check_resumed_optimizer(cfg, path, d.resumed_config.get("optimizer", {}))
-        _check_resumed_lora(cfg, path, d.resumed_config.get("lora", {}))
         _check_resumed_family_options(cfg, path, d.resumed_config, d.family)
         if cfg.training.steps < step:
             raise ConfigError(f"training.steps: {cfg.training.steps} is below step {step}, which the checkpoint at "
@@ -89,6 +88,12 @@ OPTIMIZER_STATE = ("weight_decay_exclude", "embedding_lr_multiplier", "output_lr
 
 
 _STATE_KIND = {"Adam": "moments", "AdamW": "moments"}  # optimizers whose saved state the other can load
+
+
+def lora(d: Draft) -> None:
+    """The adapters the resumed checkpoint holds (after options.lora, which names the targets as the model does)."""
+    if d.resumed_config is not None:
+        _check_resumed_lora(d.cfg, d.resume.path, d.resumed_config.get("lora", {}))
 
 
 def _check_resumed_lora(cfg, path: str, saved: dict) -> None:

@@ -35,7 +35,7 @@ def _folder(root: str, bad) -> list[tuple]:
         if path.suffix.lower() in IMAGE_EXTS:
             caption = path.with_suffix(".txt")
             if caption.is_file():
-                pairs.append(("file", str(path), caption.read_text(encoding="utf-8", errors="replace").strip()))
+                pairs.append(("file", str(path), caption.read_text(encoding="utf-8-sig", errors="replace").strip()))
             elif bad is not None:
                 bad.skip(path, "", "no caption file beside it (same name, .txt)")
     return pairs
@@ -43,7 +43,7 @@ def _folder(root: str, bad) -> list[tuple]:
 
 def _jsonl(path: str, bad) -> list[tuple]:
     pairs, base = [], os.path.dirname(os.path.abspath(path))
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # "-sig": a byte-order mark before the first line is no text
         for n, line in enumerate(fh, start=1):
             try:
                 record = json.loads(line)
@@ -133,7 +133,7 @@ def load(entry: tuple, resolution: int, hub: tuple | None = None) -> tuple[np.nd
             image, caption = row[image_column], str(row[caption_column])
         else:
             image = Image.open(BytesIO(_tar_read(entry[1], entry[2])))
-            raw = _tar_read(entry[1], entry[3]).decode("utf-8", errors="replace")
+            raw = _tar_read(entry[1], entry[3]).decode("utf-8-sig", errors="replace")
             caption = json.loads(raw).get("caption", "") if entry[3].endswith(".json") else raw.strip()
         image = image.convert("RGB")
     except (OSError, ValueError) as e:

@@ -54,6 +54,13 @@ def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
         logging.getLogger("tessera").warning(
             f"training.seq_len: {cfg.training.seq_len} tokens, and {label} attends the top {args.index_topk} keys "
             f"(index_topk): every key, so its sparse attention computes as dense attention here")
+    warmup = cfg.deepseek_v3.dense_warmup_steps
+    if warmup >= cfg.training.steps:  # a run that is all warm-up is legitimate (the V3.2 report's stage one)
+        alone = ", the indexers alone trained" if cfg.deepseek_v3.dense_warmup_trains == "indexer" else ""
+        logging.getLogger("tessera").warning(
+            f"deepseek_v3.dense_warmup_steps: {warmup}, and training.steps is {cfg.training.steps}: every step of "
+            f"this run is the dense warm-up (every key attended{alone}), so {label} never trains sparse; set it below "
+            f"training.steps to train the sparse attention")
     if args.index_shared and dims.pp > 1:
         raise ValueError(f"parallelism.pipeline_parallel_degree: {label}'s blocks {args.index_shared} attend the keys "
                          f"an earlier block picked, which may sit on another stage; not yet under PP")
