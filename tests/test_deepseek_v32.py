@@ -153,7 +153,7 @@ def test_sparse_attention_and_the_indexer_loss_equal_the_materialized_reference(
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     if kl is not None:
-        assert float(layer.indexer_loss.values[0]) == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-8) and kl > 0
+        assert float(layer.indexer_loss.values[0]) == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-7) and kl > 0
         assert any(g.abs().sum() > 0 for g in ours[3:])
 
 

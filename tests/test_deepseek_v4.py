@@ -212,7 +212,7 @@ def test_each_attention_kind_equals_the_materialized_reference(kind, packed, mon
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     if kl is not None:
-        assert float(attn.indexer_loss.values[0]) == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-8)
+        assert float(attn.indexer_loss.values[0]) == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.fast

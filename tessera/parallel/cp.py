@@ -4,7 +4,8 @@ Each CP rank holds two of 2·CP equal chunks of every sequence: chunk r and chun
 attention late chunks attend to more keys than early ones, so pairing them balances the work. Attention
 all-gathers K and V over the CP group and each local query chunk attends to the keys at or before it;
 autograd carries the gradients of K and V back to their owners. The kernel is the replaced one's: on CUDA
-FlexAttention keeps no scores; elsewhere they take (S/CP)·S memory per rank.
+FlexAttention, elsewhere the blockwise kernel; neither keeps scores, so a rank keeps its chunks' activations and
+the gathered keys and values, linear in the sequence.
 
 Ulysses (parallelism.context_parallel_method = ulysses) swaps the sequence split for a head split around
 attention instead. Outside attention each rank still holds its two chunks. Before attention one all-to-all over

@@ -184,11 +184,12 @@ def _keys_of(source: Keys, rows, j0, j1, i0: int, i1: int) -> tuple[torch.Tensor
     return k, k if source.v is source.k else _gather(rows[1], index, n, heads)
 
 
-def _scores(qb: torch.Tensor, k: torch.Tensor, scale: float, selected: bool) -> torch.Tensor:
-    """qb [b, h, g, q, d] against keys -> fp32 scores [b, h, g, q, keys]."""
-    if selected:
-        return torch.einsum("bhgqd,bhqtd->bhgqt", qb, k).float() * scale
-    return torch.einsum("bhgqd,bhkd->bhgqk", qb, k).float() * scale
+def _scores(qs: torch.Tensor, k: torch.Tensor, selected: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """The scaled queries qs [b, h, g, q, d] against keys -> fp32 scores [b, h, g, q, keys], -inf where `mask`
+    holds not (a fresh tensor: the callers compute on it in place)."""
+    s = torch.einsum("bhgqd,bhqtd->bhgqt" if selected else "bhgqd,bhkd->bhgqk", qs, k)
+    s = s.float() if s.dtype != torch.float32 else s
+    return s if mask is None else s.masked_fill_(~mask, float("-inf"))
 
 
 def _weigh(p: torch.Tensor, v: torch.Tensor, selected: bool) -> torch.Tensor:
@@ -209,21 +210,18 @@ def _forward(plan: _Plan, sources: list[Keys], q: torch.Tensor, sinks: torch.Ten
         top = next(s.selected for s in sources if s.selected is not None).shape[-1]
         picked = q.new_zeros(b, n_q, top, dtype=torch.float32)
     for i0, i1 in plan.query_blocks(n_q):
-        qb = q[:, :, i0:i1].unflatten(1, (h, g))
+        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * plan.scale
         docs = None if q_docs is None else q_docs[:, i0:i1]
         m = q.new_full((b, h, g, i1 - i0), float("-inf"), dtype=torch.float32)
         total, acc = torch.zeros_like(m), q.new_zeros(b, h, g, i1 - i0, dv, dtype=torch.float32)
-        kept = None  # the selected keys' scores, for their probabilities once the softmax's total is known
+        kept = None  # the selected keys' exp(score - then max) and that max: their probabilities at the end
         for source, source_rows in zip(sources, rows, strict=True):
             chosen = source.selected is not None
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
                 k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
-                s = _scores(qb, k, plan.scale, chosen)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
+                m, total, acc, p, safe = _online(m, total, acc, _scores(qs, k, chosen, mask), v, chosen)
                 if chosen:
-                    kept = s
-                m, total, acc = _online(m, total, acc, s, v, chosen)
+                    kept = p, safe
         if sinks is not None:
             sink = sinks.float().view(1, h, g, 1).expand_as(m)
             new = torch.maximum(m, sink)
@@ -234,19 +232,20 @@ def _forward(plan: _Plan, sources: list[Keys], q: torch.Tensor, sinks: torch.Ten
         out[:, :, i0:i1] = (acc / torch.where(empty, 1, total)[..., None]).flatten(1, 2).to(out.dtype)
         lse[..., i0:i1] = torch.where(empty, float("inf"), m + total.log())
         if picked is not None:  # [b, q, top-k], 0 where not selected
-            picked[:, i0:i1] = (kept - lse[..., i0:i1, None]).exp().sum((1, 2))
+            picked[:, i0:i1] = (kept[0] * (kept[1] - lse[..., i0:i1]).exp()[..., None]).sum((1, 2))
     return out, lse, picked
 
 
 def _online(m, total, acc, s, v, chosen: bool):
-    """One piece's scores into the running max, total and weighted values."""
+    """One piece's scores `s` (consumed) into the running max, total and weighted values; also returns the piece's
+    exp(s - max) and that max."""
     new = torch.maximum(m, s.amax(-1))
     safe = torch.where(torch.isinf(new), 0.0, new)  # rows with nothing seen yet
-    scale = (m - safe).exp()
-    p = (s - safe[..., None]).exp()
-    total = total * scale + p.sum(-1)
-    acc = acc * scale[..., None] + _weigh(p.to(v.dtype), v, chosen).float()
-    return new, total, acc
+    alpha = (m - safe).exp_()
+    p = s.sub_(safe[..., None]).exp_()
+    total = total.mul_(alpha).add_(p.sum(-1))
+    acc = acc.mul_(alpha[..., None]).add_(_weigh(p.to(v.dtype), v, chosen))
+    return new, total, acc, p, safe
 
 
 class _Attention(torch.autograd.Function):
@@ -279,36 +278,31 @@ def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_ou
              for s in sources]
     d_sinks = None if sinks is None else torch.zeros(h, g, device=q.device, dtype=torch.float32)
     for i0, i1 in plan.query_blocks(n_q):
-        qb = q[:, :, i0:i1].unflatten(1, (h, g))
+        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * plan.scale
         dob = d_out[:, :, i0:i1].unflatten(1, (h, g))
         rows = lse[..., i0:i1, None]
         delta = (dob.float() * out[:, :, i0:i1].unflatten(1, (h, g)).float()).sum(-1)  # [b, h, g, q]
         docs = None if q_docs is None else q_docs[:, i0:i1]
-        dqb = torch.zeros_like(qb, dtype=torch.float32)
+        dqb = torch.zeros_like(qs, dtype=torch.float32)
         for source, source_rows, (dk, dv) in zip(sources, gathered, grads, strict=True):
             chosen = source.selected is not None
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
                 k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
-                s = _scores(qb, k, plan.scale, chosen)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
-                p = (s - rows).exp()
+                p = _scores(qs, k, chosen, mask).sub_(rows).exp_()
                 if chosen:
-                    dp = torch.einsum("bhgqd,bhqtd->bhgqt", dob, v).float()
-                    ds = p * (dp - delta[..., None]) * plan.scale
-                    dqb += torch.einsum("bhgqt,bhqtd->bhgqd", ds.to(k.dtype), k).float()
+                    ds = torch.einsum("bhgqd,bhqtd->bhgqt", dob, v).float().sub_(delta[..., None]).mul_(p)
+                    dqb += torch.einsum("bhgqt,bhqtd->bhgqd", ds.to(k.dtype), k)
                     at = _row_index(source.selected[:, i0:i1], h, source.k.shape[2])  # entries < 0 add 0 at 0
-                    _rows(dk).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qb)
+                    _rows(dk).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qs)
                                          .reshape(-1, dk.shape[-1]).float())
                     _rows(dv).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", p.to(q.dtype), dob)
                                          .reshape(-1, dv.shape[-1]).float())
                 else:
-                    dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, v).float()
-                    ds = p * (dp - delta[..., None]) * plan.scale
-                    dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds.to(k.dtype), k).float()
-                    dk[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", ds.to(q.dtype), qb).float()
-                    dv[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", p.to(q.dtype), dob).float()
-        dq[:, :, i0:i1] = dqb.flatten(1, 2)
+                    ds = torch.einsum("bhgqd,bhkd->bhgqk", dob, v).float().sub_(delta[..., None]).mul_(p)
+                    dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds.to(k.dtype), k)
+                    dk[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", ds.to(q.dtype), qs)
+                    dv[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", p.to(q.dtype), dob)
+        dq[:, :, i0:i1] = dqb.mul_(plan.scale).flatten(1, 2)  # ds is d/d(scaled scores): dq takes the scale
         if sinks is not None:
             p_sink = (sinks.float().view(1, h, g, 1) - rows[..., 0]).exp()
             d_sinks -= (p_sink * delta).sum((0, 3))
@@ -338,12 +332,10 @@ def max_logits(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float,
     best = q.new_full((h, g), float("-inf"), dtype=torch.float32)
     gathered = _selected_rows(sources)
     for i0, i1 in plan.query_blocks(q.shape[2]):
-        qb = q[:, :, i0:i1].unflatten(1, (h, g))
+        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * scale
         docs = None if q_documents is None else q_documents[:, i0:i1]
         for source, rows in zip(sources, gathered, strict=True):
             for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                s = _scores(qb, _keys_of(source, rows, j0, j1, i0, i1)[0], scale, source.selected is not None)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
+                s = _scores(qs, _keys_of(source, rows, j0, j1, i0, i1)[0], source.selected is not None, mask)
                 best = torch.maximum(best, s.amax((0, 3, 4)))
     return best.flatten()
