@@ -207,42 +207,48 @@ def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_ex
 
 @pytest.mark.paced
 def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse):
-    """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
-    alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the
-    outer state included) and takes part in it; from then on both hold the same weights after every sync."""
-    dump, steps = tmp_path / "job", 120
+    """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window (after its step 6):
+    group 0 syncs alone at step 8 (quorum 1) and goes on. Relaunched, group 1 waits for group 0's next sync, copies
+    its state there (the outer state included) and takes part in it; from then on both hold the same weights after
+    every sync. The order is made to happen (tests/faults.py's TESSERA_TEST_HOLD): both start once both heartbeat,
+    group 1 is held after step 6 until it is killed, group 0 after step 9 until the relaunched group 1 waits in its
+    quorum."""
+    dump, steps = tmp_path / "job", 16
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4", "--training.steps",
             str(steps)]
+    go, back, never = (str(tmp_path / name) for name in ("go", "back", "never"))
     flags = [ft_flags(lighthouse, i) for i in range(2)]
-    procs = [start_single(dump, *args, *flags[i], delay=0.2) for i in range(2)]
+    procs = [start_single(dump, *args, *flags[i], delay=0.0, TESSERA_TEST_HOLD=hold)
+             for i, hold in enumerate([f"1:{go},10:{back}", f"1:{go},7:{never}"])]
     step_of = lambda g: rows(dump, g)[-1]["step"] if rows(dump, g) else 0  # noqa: E731
     try:
-        wait_for("first window", lambda: step_of(1) >= 6, procs)
+        wait_for("both groups heartbeat", lambda: local.lighthouse_counts(lighthouse)[1] == 2, procs)
+        Path(go).touch()  # both join then: neither forms a quorum alone
+        wait_for("group 1 held after step 6", lambda: step_of(1) == 6, procs)
         kill(procs[1])
-        killed_at, before = step_of(1), len(rows(dump, 1))
-        procs[1] = start_single(dump, *args, *flags[1], delay=0.2)  # its start-up takes several syncs of group 0
+        wait_for("group 0 held after step 9", lambda: step_of(0) == 9, procs[:1])
+        procs[1] = start_single(dump, *args, *flags[1], delay=0.0)
+        wait_for("the relaunched group 1 waits in its quorum", lambda: local.lighthouse_counts(lighthouse)[0] == 1,
+                 procs)
+        Path(back).touch()
         for proc in procs:
-            proc.wait(timeout=240)
+            proc.wait(timeout=120)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 kill(proc)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, procs[1].log.read_text()[-3000:]
-    a, back = rows(dump, 0), rows(dump, 1)[before:]
-    # Group 0 never stopped (a group that starts later than the other copies it at its first sync).
-    assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1))
-    after = [r for r in a if r["step"] > killed_at]
-    alone = [r["step"] for r in after if r["ft/quorum"] == 1 and r["step"] % 4 == 0]
-    assert alone and after[0]["ft/recoveries"] == a[-1]["ft/recoveries"]  # it synced alone, copied nothing
-    # Every sync committed, unless the kill fell inside one
-    assert a[-1]["ft/syncs"] + a[-1]["ft/failed_syncs"] == steps // 4 and a[-1]["ft/failed_syncs"] <= 1
-    # It rejoined at a sync: its first step back follows a sync point past the kill, which it took part in.
-    assert back[0]["ft/recoveries"] == 1 and back[0]["step"] % 4 == 1 and back[0]["step"] > killed_at + 1
-    assert "recovered step" in procs[1].log.read_text()
+    a, back_rows = rows(dump, 0), rows(dump, 1)[6:]
+    assert [r["step"] for r in a] == list(range(1, steps + 1)) and [r["step"] for r in rows(dump, 1)[:6]] == \
+        list(range(1, 7))
+    # Group 0 synced alone at step 8, copied nothing, and every sync committed.
+    assert [(r["step"], r["ft/quorum"]) for r in a if r["step"] % 4 == 0] == [(4, 2), (8, 1), (12, 2), (16, 2)]
+    assert a[-1]["ft/recoveries"] == 0 and (a[-1]["ft/syncs"], a[-1]["ft/failed_syncs"]) == (4, 0)
+    # Group 1 rejoined at the sync of step 12, which it took part in, and holds group 0's weights after each sync.
+    assert [r["step"] for r in back_rows] == [13, 14, 15, 16] and back_rows[0]["ft/recoveries"] == 1
+    assert "recovered step 12" in procs[1].log.read_text()
     ours = {r["step"]: r["ft/weights_digest"] for r in a}
-    synced = [r for r in back if r["step"] % 4 == 0]
-    assert synced and all(r["ft/weights_digest"] == ours[r["step"]] for r in synced)
-    assert all(r["ft/quorum"] == 2 for r in synced)
+    assert back_rows[-1]["ft/weights_digest"] == ours[16] and back_rows[-1]["ft/syncs"] == 2
 
 
 @pytest.mark.ranks
