@@ -267,54 +267,75 @@ def test_a_sync_that_fails_in_one_group_fails_in_every_group(tmp_path, lighthous
 
 
 @pytest.mark.paced
-def test_sigterm_to_every_process_then_the_relaunched_groups_agree_where_they_stand(tmp_path):
-    """SLURM's way (`--signal=TERM@300`, or a preemption): every job step gets SIGTERM, the lighthouse's
-    (tessera.lighthouse) too. Two DiLoCo groups, one faster, stop at different steps, each saving the step it
-    reached (exit 143) while the lighthouse serves on until a second SIGTERM. Relaunched, each from its own
-    checkpoint, the group behind copies the one that stopped last in their first quorum and neither syncs there: no
-    failed sync (a group syncing alone would fail after timeout_seconds), weights equal at every sync, and the
-    losses those of both groups relaunched from the leader's checkpoint."""
+def test_groups_stopped_at_different_steps_agree_when_relaunched_together_or_one_after_the_other(tmp_path):
+    """Two DiLoCo groups (every 4 steps) stop on SIGTERM at different steps: group 1 after step 6, then group 0,
+    alone from its sync of step 8 on, after step 11, with the lighthouse (tessera.lighthouse), which serves on through
+    that first SIGTERM. Each saves the step it reached (exit 143). Then, from copies of that folder:
+    - both relaunched at once (a fresh lighthouse): group 1, behind, copies group 0 in their first quorum and neither
+      syncs there (a group syncing alone would fail after timeout_seconds);
+    - group 1 relaunched first (the lighthouse left up), trained alone to its sync of step 8, where group 0, relaunched
+      meanwhile from step 11, joins: group 1 copies group 0 and, as group 0 is not at a sync, neither syncs there (a
+      line says so), where group 1 sent alone and waited for a transfer that never came.
+    Either way no sync fails, the weights are equal at every sync, and the losses are those of both groups relaunched
+    from group 0's checkpoint. The order is made to happen (tests/faults.py's TESSERA_TEST_HOLD), not paced."""
     import os
     import signal
 
-    dump, ref = tmp_path / "job", tmp_path / "ref"
+    dump, ref, together, late = (tmp_path / name for name in ("job", "ref", "together", "late"))
     args = [*DILOCO[:2], "--fault_tolerance.sync_steps", "4", "--training.steps", "16", "--checkpoint.enable",
-            "--checkpoint.interval", "4", "--fault_tolerance.log_state_digest", "--fault_tolerance.timeout_seconds",
-            "5"]
+            "--checkpoint.interval", "4"]
+    flags = lambda address, i: [*ft_flags(address, i), "--fault_tolerance.timeout_seconds", "5"]  # noqa: E731
+    hold = lambda *pairs: ",".join(f"{step}:{tmp_path / name}" for step, name in pairs)  # noqa: E731
+    last = lambda folder, g: rows(folder, g)[-1]["step"] if rows(folder, g) else 0  # noqa: E731
     server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
-    groups = [start_single(dump, *args, *ft_flags(address, i, min_size=2), delay=(0.05, 0.3)[i]) for i in range(2)]
+    servers, procs = [server], [start_single(dump, *args, *flags(address, i), delay=0.0,
+                                             TESSERA_TEST_HOLD=hold((1, "go"), (at, f"stop-{i}")))
+                                for i, at in enumerate([11, 6])]
     try:
-        wait_for("step 6", lambda: len(rows(dump, 0)) >= 6, [*groups, server])
-        for proc in (*groups, server):
-            os.kill(proc.pid, signal.SIGTERM)
-        outs = [finish(proc, expect=143) for proc in groups]
+        wait_for("both groups heartbeat", lambda: local.lighthouse_counts(address)[1] == 2, [*procs, server])
+        (tmp_path / "go").touch()  # both join at once: neither trains alone from the start
+        for g, at in ((1, 6), (0, 11)):
+            wait_for(f"group {g} held after step {at - 1}", lambda g=g, at=at: last(dump, g) == at - 1,
+                     [procs[g], server])
+            for proc in (procs[g], server) if g == 0 else (procs[g],):
+                os.kill(proc.pid, signal.SIGTERM)
+            (tmp_path / f"stop-{g}").touch()
+            assert f"stopped on SIGTERM after step {at} of 16" in finish(procs[g], expect=143)
         assert server.poll() is None  # it serves on through the first SIGTERM
+        assert [(r["step"], r["ft/quorum"]) for r in rows(dump, 0) if r["step"] % 4 == 0] == [(4, 2), (8, 1)]
+        for folder in (ref, together, late):
+            shutil.copytree(dump, folder)
+        shutil.rmtree(ref / "checkpoint/replica_1")  # the reference: both from group 0's checkpoint
+        shutil.copytree(ref / "checkpoint/replica_0", ref / "checkpoint/replica_1")
+        fresh = [local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500") for _ in (ref, together)]
+        servers += [proc for proc, _ in fresh]
+        procs = [start_single(folder, *args, *flags(other, i), delay=0.0, TESSERA_TEST_HOLD=hold((1, f"go-{n}")))
+                 for n, (folder, (_, other)) in enumerate(zip((ref, together), fresh, strict=True)) for i in range(2)]
+        # Group 1 first: it trains step 7 alone and is held until group 0 waits in its first quorum.
+        procs.append(start_single(late, *args, *flags(address, 1), delay=0.0, TESSERA_TEST_HOLD=hold((8, "back"))))
+        for n, (_, other) in enumerate(fresh):  # each pair joins at once
+            wait_for("both groups heartbeat", lambda a=other: local.lighthouse_counts(a)[1] == 2, procs)
+            (tmp_path / f"go-{n}").touch()
+        wait_for("group 1 held after step 7", lambda: last(late, 1) == 7, procs[-1:])
+        procs.append(start_single(late, *args, *flags(address, 0), delay=0.0))
+        wait_for("group 0 waits in its quorum", lambda: local.lighthouse_counts(address)[0] == 1, procs[-2:])
+        (tmp_path / "back").touch()
+        outs = [finish(proc) for proc in procs]
         os.kill(server.pid, signal.SIGTERM)
         assert server.wait(timeout=30) == 0 and "stopped on SIGTERM" in server.log.read_text()
     finally:
-        for proc in (*groups, server):
+        for proc in [*procs, *servers]:
             if proc.poll() is None:
                 kill(proc)
-    stopped = [rows(dump, g)[-1]["step"] for g in range(2)]
-    assert stopped[0] > stopped[1] and all(f"stopped on SIGTERM after step {n} of 16" in out
-                                           for n, out in zip(stopped, outs, strict=True)), stopped
-    shutil.copytree(dump, ref)  # the reference: both groups relaunched from the leader's checkpoint
-    shutil.rmtree(ref / "checkpoint/replica_1")
-    shutil.copytree(ref / "checkpoint/replica_0", ref / "checkpoint/replica_1")
-    for folder in (dump, ref):
-        server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
-        try:
-            for proc in [start_single(folder, *args, *ft_flags(address, i, min_size=2), delay=0.0)
-                         for i in range(2)]:
-                finish(proc)
-        finally:
-            kill(server)
-    again = [{r["step"]: r for r in rows(dump, g) if r["step"] > stopped[0]} for g in range(2)]
-    want = [{r["step"]: r for r in rows(ref, g) if r["step"] > stopped[0]} for g in range(2)]
-    assert [r["ft/failed_syncs"] for r in (again[0][16], again[1][16])] == [0, 0]
-    assert all(again[0][n]["ft/weights_digest"] == again[1][n]["ft/weights_digest"] for n in (8, 12, 16))
-    for g in range(2):
-        assert [again[g][n]["loss"] for n in sorted(again[g])] == [want[g][n]["loss"] for n in sorted(want[g])], g
+    assert "fault tolerance: step 11: no sync here: replica group 0 (" in outs[4] and "recovered step 11" in outs[4]
+    assert not [out for out in outs if "the sync failed" in out], outs
+    want = [{r["step"]: r["loss"] for r in rows(ref, g) if r["step"] > 11} for g in range(2)]
+    for folder in (together, late):
+        again = [{r["step"]: r for r in rows(folder, g) if r["step"] > 11} for g in range(2)]
+        assert [again[0][16]["ft/failed_syncs"], again[1][16]["ft/failed_syncs"]] == [0, 0], folder.name
+        assert all(again[0][n]["ft/weights_digest"] == again[1][n]["ft/weights_digest"] for n in (12, 16))
+        for g in range(2):
+            assert {n: r["loss"] for n, r in again[g].items()} == want[g], (folder.name, g)
 
 
 @pytest.mark.fast
