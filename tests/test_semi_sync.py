@@ -255,11 +255,16 @@ def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse
 def test_a_sync_that_fails_in_one_group_fails_in_every_group(tmp_path, lighthouse):
     """DiLoCo every 2 steps; group 1's vote on its 2nd sync is no (its sync failed): group 0 does not apply that sync
     either, so both count one failed sync and hold the same weights after every sync."""
+    import socket
+
     args = [*DILOCO, "--training.steps", "8", "--fault_tolerance.log_state_digest"]
     flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
-    for proc in [start_single(tmp_path / "job", *args, *flags[i], delay=0.0,
-                              TESSERA_TEST_REFUSE_COMMIT="2" if i else "") for i in range(2)]:
-        finish(proc)
+    procs = [start_single(tmp_path / "job", *args, *flags[i], delay=0.0, TESSERA_TEST_REFUSE_COMMIT="2" if i else "")
+             for i in range(2)]
+    said = [line.split("] ", 1)[1] for line in finish(procs[0]).splitlines() if "the sync failed" in line]
+    finish(procs[1])
+    assert said == [f"fault tolerance: step 4: the sync failed (it failed in replica group 1 ({socket.gethostname()} "
+                    f"pid {procs[1].pid})); not applied (the fragment is reset to the weights of the last sync)"]
     last = [rows(tmp_path / "job", g) for g in range(2)]
     assert [(r[-1]["ft/syncs"], r[-1]["ft/failed_syncs"]) for r in last] == [(3, 1), (3, 1)]
     digests = [{r["step"]: r["ft/weights_digest"] for r in rows_ if r["step"] % 2 == 0} for rows_ in last]
@@ -360,6 +365,41 @@ def test_settings_that_do_not_fit_are_refused_in_one_line(flags, line):
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="^fault_tolerance.semi_sync_method: .* but fault_tolerance.enable is false"):
         check_config(parse_args(flags), None, False)
+
+
+@pytest.mark.fast
+def test_a_failed_transfer_is_said_in_one_line_naming_the_group_and_why(tmp_path):
+    """gloo's text (a timeout, a closed connection) becomes the reason; the group is named as its lock records it."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from torchft.manager import ExceptionWithTraceback
+
+    from tessera.ft import check
+    from tessera.ft.replicas import ReplicaGroup
+    from tessera.schema import parse_args
+
+    cfg = check.place_group(parse_args(["--job.dump_folder", str(tmp_path), *local.ft_flags("http://h:1", 0, 3)]))
+    for rid, owner in ((1, "node7 pid 4242"), (2, "node8 pid 17")):
+        (tmp_path / f"replica_{rid}").mkdir()
+        (tmp_path / f"replica_{rid}" / check.LOCK).write_text(owner)
+    group = SimpleNamespace(cfg=cfg, members=[0, 1])
+    group.name = partial(ReplicaGroup.name, group)
+
+    def said(error: Exception | None) -> str:
+        group.manager = SimpleNamespace(errored=lambda: error and ExceptionWithTraceback(error))
+        return ReplicaGroup.failure(group)
+    assert said(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed "
+                             "out waiting 60000ms for recv operation to complete")) == \
+        "the transfer with replica group 1 (node7 pid 4242) got no answer within fault_tolerance.timeout_seconds = 60"
+    group.members = [1, 0, 2]
+    assert said(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                             "[127.0.0.1]:41093")) == ("the transfer with replica groups 1 (node7 pid 4242), 2 (node8 "
+                                                       "pid 17) lost its connection (a group stopped, ended or was "
+                                                       "restarted)")
+    assert said(ValueError("bad\nmore")) == ("the transfer with replica groups 1 (node7 pid 4242), 2 (node8 pid 17) "
+                                             "failed: bad")
+    assert said(None) == "another rank of this group failed"
 
 
 @pytest.mark.fast

@@ -267,7 +267,7 @@ class ReplicaGroup:
         if isinstance(error, TimeoutError) or "timed out" in text.lower():
             what = f"got no answer within fault_tolerance.timeout_seconds = {f.timeout_seconds}"
         elif any(s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")):
-            what = "lost its connection (that group stopped, ended or was restarted)"
+            what = "lost its connection (a group stopped, ended or was restarted)"
         else:
             what = f"failed: {(text.splitlines() or [type(error).__name__])[0][:200]}"
         return f"the transfer with {self.name([rid for rid in self.members if rid != f.replica_id])} {what}"
