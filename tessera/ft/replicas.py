@@ -39,12 +39,12 @@ def _digits(name: str) -> list[str]:
 
 
 def quiet_torchft() -> None:
-    """torchft logs every quorum and vote (its Rust side on stderr, its Python loggers at INFO): keep its warnings;
-    Tessera logs what changes (quorum changes, recoveries, steps not committed). RUST_LOG=info brings them back."""
+    """torchft logs every quorum and vote (its Rust side on stderr, its Python loggers at INFO): quiet; Tessera logs
+    what changes (quorum changes, recoveries, steps and syncs that fail: which group and why, ReplicaGroup.failure).
+    RUST_LOG=info brings torchft's Rust side back."""
     os.environ.setdefault("RUST_LOG", "warn")
-    # Its warnings are about NCCL's flight recorder; its errors are a collective's own text with a traceback
-    # (gloo's "Timed out waiting 60000ms for recv operation"), which Tessera says in one line naming the replica
-    # group and the reason instead (ReplicaGroup.failure), from the manager's recorded error.
+    # Its Python warnings are about NCCL's flight recorder; its errors are a collective's own text and traceback
+    # (gloo's "Timed out waiting 60000ms for recv operation"), which the manager also records for Tessera's line.
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger(name).propagate = name == "torchft"

@@ -166,6 +166,9 @@ class SemiSync:
         self.group.note_quorum()
         if self.group.quorum_syncs:  # it copied a group at a sync: it takes part in that sync
             self._due(self.group.step)
+        elif self.group.manager.errored() is not None and self.group.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.group.step}: the first quorum failed ({self.group.failure()}); "
+                        f"this group trains on and meets the others at their next sync")
         self.seconds += time.perf_counter() - start
 
     def after_step(self) -> None:
@@ -174,7 +177,7 @@ class SemiSync:
             self.at_sync = True
             self._quorum()
             self.at_sync = False
-            if self.group.quorum_syncs:
+            if self.group.quorum_syncs or self.group.manager.errored() is not None:  # a failed quorum fails the sync
                 self._due(self.group.step)  # a group behind the others is at theirs now
             else:
                 self._skipped()
@@ -188,7 +191,7 @@ class SemiSync:
         """No sync at this quorum: a relaunched group joined it between two syncs (it resumed from its checkpoint
         at another point of the window, or this group copied its state): the groups sync next time."""
         step, per, at = self.group.step, self.per, (self.per - self.delay) % self.per
-        if self.group.world.rank == 0 and self.group.manager.errored() is None:
+        if self.group.world.rank == 0:
             log.warning(f"fault tolerance: step {step}: no sync here: {self.group.name(self.group.joiners)} "
                         f"joined between two syncs (relaunched); the groups sync next at step "
                         f"{step + ((at - step) % per or per)}")
