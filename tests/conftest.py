@@ -1,8 +1,8 @@
 """How the suite shares two cores (docs/testing.md): tests marked `ranks` start processes of several ranks (the rank
 pools of tests/launch.py, torchrun, the launcher); they run one at a time, on one pytest-xdist worker, first (the
-longest share). Tests marked `paced` start processes too, but slowed ones (tests/faults.py) that mostly sleep: they
-run as one group on the other worker, before its single-process tests, a module at a time (module fixtures are
-computed once). The rank pools end with the test run."""
+longest share). Tests marked `paced` start processes too, slowed or held at a step (tests/faults.py), mostly
+waiting: they run as one group on the other worker, before its single-process tests, a module at a time (module
+fixtures are computed once). The rank pools end with the test run."""
 
 import pytest
 

@@ -213,13 +213,19 @@ def start_ranks(queue: Path, nproc: int) -> int:
                 sys.stderr.flush()
                 os._exit(code)
         ranks.append(pid)
+    number = {pid: rank for rank, pid in enumerate(ranks)}
     while ranks:
-        pid, status = os.wait()
-        if os.WIFSIGNALED(status):  # a crash (gloo's threads, rarely): tests/launch.py reruns the job on new ranks
-            signame = signal.Signals(os.WTERMSIG(status)).name
-            (queue / "crashed.txt").write_text(f"rank {ranks.index(pid)} died of {signame}")
-        ranks.remove(pid)
-        if status != 0:
+        ended = [os.wait()]
+        # With it, the ranks that ended already: a crash that made another rank fail (its peer gone) is still a crash,
+        # whichever of the two this process hears of first.
+        while len(ended) < len(ranks) and (done := os.waitpid(-1, os.WNOHANG))[0]:
+            ended.append(done)
+        for pid, status in ended:
+            ranks.remove(pid)
+            if os.WIFSIGNALED(status):  # a crash (gloo's threads, rarely): tests/launch.py reruns the job on new ranks
+                signame = signal.Signals(os.WTERMSIG(status)).name
+                (queue / "crashed.txt").write_text(f"rank {number[pid]} died of {signame}")
+        if any(status != 0 for _, status in ended):
             for other in ranks:
                 os.kill(other, signal.SIGKILL)
             return 1

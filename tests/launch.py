@@ -97,12 +97,15 @@ class RankPool:
         while not result.exists():
             errors = sorted(self.queue.glob(f"error-{k}-*.txt"))
             if errors or self.proc.poll() is not None or time.monotonic() > deadline:
-                time.sleep(0.5)  # the failing rank's last lines reach the log
+                try:  # a failed rank ends the pool (start_ranks), which then has said whether a rank crashed
+                    self.proc.wait(timeout=30 if errors else 0.5)
+                except subprocess.TimeoutExpired:
+                    pass
                 crash = self.queue / "crashed.txt"
-                crashed = not errors and crash.exists()
-                why = "".join(f"--- {e.name}\n{e.read_text()}" for e in errors) or \
-                    (crash.read_text() if crashed else "the ranks exited" if self.proc.poll() is not None
-                     else f"no result after {timeout} s")
+                crashed = crash.exists()
+                why = (crash.read_text() + "\n" if crashed else "") + "".join(
+                    f"--- {e.name}\n{e.read_text()}" for e in errors) or \
+                    ("the ranks exited" if self.proc.poll() is not None else f"no result after {timeout} s")
                 why = f"{self.nproc} ranks, {target}: {why}\n{self.log_tail()}"
                 self.close()
                 raise (RanksCrashed if crashed else AssertionError)(why)

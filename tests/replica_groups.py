@@ -3,10 +3,12 @@ lighthouse in this process, groups of one process started without torchrun (each
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +32,17 @@ def start_lighthouse_process(folder: Path, *flags: str):
     wait_for("the lighthouse", lambda: "serving at" in proc.log.read_text(), [proc], 60)
     port = proc.log.read_text().split("serving at ")[1].split()[0].rsplit(":", 1)[1]
     return proc, f"http://127.0.0.1:{port}"
+
+
+def lighthouse_counts(address: str) -> tuple[int, int]:
+    """(groups waiting in a quorum request, groups heartbeating) at the lighthouse now, from its status page (torchft
+    0.2.0: "[N/M participants healthy][K heartbeating]"). A test holds a group at a step (tests/faults.py's
+    TESSERA_TEST_HOLD) and lets it go once the other waits in its quorum request: the lighthouse's next quorum, the
+    held group's next, then holds both, whatever their speeds."""
+    with urllib.request.urlopen(f"{address}/status", timeout=10) as page:
+        found = re.search(r"\[(\d+)/\d+ participants healthy\]\[(\d+) heartbeating\]", page.read().decode())
+    assert found, f"the lighthouse at {address} no longer says its participants on /status (torchft's page changed)"
+    return int(found.group(1)), int(found.group(2))
 
 
 def ft_flags(address: str, replica_id: int, group_size: int, min_size: int = 1) -> list[str]:

@@ -157,7 +157,8 @@ def test_sigkill_mid_run_and_during_save_then_relaunch(tmp_path):
     ref = _torchrun_train(tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
     kill_at = 5  # after the step-3 save, before the step-9 save the second crash interrupts
-    run = _torchrun_train(tmp_path / "run")
+    # Held before the next step (tests/faults.py) until the kill, however late this process reads the output.
+    run = _torchrun_train(tmp_path / "run", env={"TESSERA_TEST_HOLD": f"{kill_at + 1}:{tmp_path / 'never'}"})
     for line in run.stdout:  # SIGKILL the whole job once it logs step `kill_at`
         if f"step {kill_at:>2}/{STEPS}" in line:
             _kill_tree(run.pid)

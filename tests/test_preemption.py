@@ -34,14 +34,19 @@ def _launch(dump, *extra, env=None) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _signal_at(proc: subprocess.Popen, step: int, send) -> str:
-    """Its output, `send(launcher pid, rank pids)` called once it logged `step`."""
+def _signal_at(proc: subprocess.Popen, step: int, send, released, then=None) -> str:
+    """Its output, `send(launcher pid, rank pids)` called once it logged `step`, then `released` created (ranks
+    launched with TESSERA_TEST_HOLD=7:`released` wait before step 7 until then: the run stops at step 5, 6 or 7 however
+    late this process reads its output, never at its end), then `then()`."""
     out = []
     for line in proc.stdout:
         out.append(line)
         if f"step {step:>2}/{STEPS}" in line:
             send(proc.pid, children(proc.pid))
             break
+    released.touch()
+    if then is not None:
+        then()
     out.append(proc.stdout.read())
     proc.wait(timeout=120)
     return "".join(out)
@@ -79,12 +84,12 @@ def test_sigterm_to_every_process_saves_the_step_reached_and_the_relaunch_loses_
     def every_process(launcher, ranks):
         for pid in (launcher, *ranks):
             os.kill(pid, signal.SIGTERM)
-    dump = tmp_path / "run"
-    run = _launch(dump, "--checkpoint.async_mode", "async", env={"TESSERA_TEST_STEP_SECONDS": "0.3"})
-    out = _signal_at(run, 5, every_process)
+    dump, released = tmp_path / "run", tmp_path / "signalled"
+    run = _launch(dump, "--checkpoint.async_mode", "async", env={"TESSERA_TEST_HOLD": f"7:{released}"})
+    out = _signal_at(run, 5, every_process, released)
     assert run.returncode == REQUEUE_EXIT, out[-3000:]
     step = _stopped_step(out, dump)
-    assert 5 <= step < STEPS
+    assert 5 <= step <= 7
     again = _launch(dump, "--checkpoint.async_mode", "async")
     out = again.communicate(timeout=300)[0]
     assert again.returncode == 0 and f"resumed from checkpoint step {step} " in out, out[-3000:]
@@ -94,21 +99,23 @@ def test_sigterm_to_every_process_saves_the_step_reached_and_the_relaunch_loses_
 @pytest.mark.paced
 def test_sigterm_to_the_launcher_only_and_again_during_the_save(tmp_path):
     """Kubernetes' way: only the launcher gets SIGTERM and passes it on; a second one arrives while the stop's
-    checkpoint is written (slowed here): the save completes and counts, once."""
-    dump = tmp_path / "run"
-
+    checkpoint is written (held until then: tests/faults.py's TESSERA_TEST_SAVE_HOLD): the save completes and
+    counts, once. (Paced steps: the launcher passes the first signal on well before the run could end.)"""
+    dump, released, saved = tmp_path / "run", tmp_path / "signalled", tmp_path / "saved"
     in_progress = []
 
-    def launcher_twice(launcher, ranks):
-        os.kill(launcher, signal.SIGTERM)
+    def again_during_the_save():
         deadline = time.monotonic() + 60
         while not (saving := [p for p in (dump / "checkpoint").glob("step-*") if p.name != "step-4"]):
             assert time.monotonic() < deadline  # the stop's save has begun
             time.sleep(0.05)
-        os.kill(launcher, signal.SIGTERM)
+        os.kill(run.pid, signal.SIGTERM)
         in_progress.append(not (saving[0] / ".complete").exists())
-    run = _launch(dump, env={"TESSERA_TEST_STEP_SECONDS": "0.3", "TESSERA_TEST_SAVE_SECONDS": "2"})
-    out = _signal_at(run, 5, launcher_twice)
+        saved.touch()
+    run = _launch(dump, env={"TESSERA_TEST_STEP_SECONDS": "0.3", "TESSERA_TEST_HOLD": f"7:{released}",
+                             "TESSERA_TEST_SAVE_HOLD": f"5:{saved}"})
+    out = _signal_at(run, 5, lambda launcher, ranks: os.kill(launcher, signal.SIGTERM), released,
+                     then=again_during_the_save)
     assert run.returncode == REQUEUE_EXIT, out[-3000:]
     assert out.count("tessera: stopped on SIGTERM") == 1 and in_progress == [True]
     _stopped_step(out, dump)
@@ -117,9 +124,9 @@ def test_sigterm_to_the_launcher_only_and_again_during_the_save(tmp_path):
 @pytest.mark.paced
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """Only rank 1 gets it: the ranks agree at the next step boundary, save that step together, and exit."""
-    dump = tmp_path / "run"
-    run = _launch(dump, env={"TESSERA_TEST_STEP_SECONDS": "0.3"})
-    out = _signal_at(run, 5, lambda launcher, ranks: os.kill(max(ranks), signal.SIGTERM))
+    dump, released = tmp_path / "run", tmp_path / "signalled"
+    run = _launch(dump, env={"TESSERA_TEST_HOLD": f"7:{released}"})
+    out = _signal_at(run, 5, lambda launcher, ranks: os.kill(max(ranks), signal.SIGTERM), released)
     assert run.returncode == REQUEUE_EXIT, out[-3000:]
     step = _stopped_step(out, dump)
     marker = json.loads((dump / f"checkpoint/step-{step}/.complete").read_text())

@@ -207,53 +207,64 @@ def test_diloco_two_groups_of_fsdp2_equal_the_reference_and_a_restart_resumes_ex
 
 @pytest.mark.paced
 def test_a_group_killed_mid_window_rejoins_at_the_next_sync(tmp_path, lighthouse):
-    """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window: group 0 goes on
-    alone (its syncs, quorum 1). Relaunched, group 1 waits for group 0's next sync, copies its state there (the
-    outer state included) and takes part in it; from then on both hold the same weights after every sync."""
-    dump, steps = tmp_path / "job", 120
+    """DiLoCo every 4 steps, two groups of one process. Group 1 is SIGKILLed inside a window (after its step 6):
+    group 0 syncs alone at step 8 (quorum 1) and goes on. Relaunched, group 1 waits for group 0's next sync, copies
+    its state there (the outer state included) and takes part in it; from then on both hold the same weights after
+    every sync. The order is made to happen (tests/faults.py's TESSERA_TEST_HOLD): both start once both heartbeat,
+    group 1 is held after step 6 until it is killed, group 0 after step 9 until the relaunched group 1 waits in its
+    quorum."""
+    dump, steps = tmp_path / "job", 16
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4", "--training.steps",
             str(steps)]
+    go, back, never = (str(tmp_path / name) for name in ("go", "back", "never"))
     flags = [ft_flags(lighthouse, i) for i in range(2)]
-    procs = [start_single(dump, *args, *flags[i], delay=0.2) for i in range(2)]
+    procs = [start_single(dump, *args, *flags[i], delay=0.0, TESSERA_TEST_HOLD=hold)
+             for i, hold in enumerate([f"1:{go},10:{back}", f"1:{go},7:{never}"])]
     step_of = lambda g: rows(dump, g)[-1]["step"] if rows(dump, g) else 0  # noqa: E731
     try:
-        wait_for("first window", lambda: step_of(1) >= 6, procs)
+        wait_for("both groups heartbeat", lambda: local.lighthouse_counts(lighthouse)[1] == 2, procs)
+        Path(go).touch()  # both join then: neither forms a quorum alone
+        wait_for("group 1 held after step 6", lambda: step_of(1) == 6, procs)
         kill(procs[1])
-        killed_at, before = step_of(1), len(rows(dump, 1))
-        procs[1] = start_single(dump, *args, *flags[1], delay=0.2)  # its start-up takes several syncs of group 0
+        wait_for("group 0 held after step 9", lambda: step_of(0) == 9, procs[:1])
+        procs[1] = start_single(dump, *args, *flags[1], delay=0.0)
+        wait_for("the relaunched group 1 waits in its quorum", lambda: local.lighthouse_counts(lighthouse)[0] == 1,
+                 procs)
+        Path(back).touch()
         for proc in procs:
-            proc.wait(timeout=240)
+            proc.wait(timeout=120)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 kill(proc)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, procs[1].log.read_text()[-3000:]
-    a, back = rows(dump, 0), rows(dump, 1)[before:]
-    # Group 0 never stopped (a group that starts later than the other copies it at its first sync).
-    assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1))
-    after = [r for r in a if r["step"] > killed_at]
-    alone = [r["step"] for r in after if r["ft/quorum"] == 1 and r["step"] % 4 == 0]
-    assert alone and after[0]["ft/recoveries"] == a[-1]["ft/recoveries"]  # it synced alone, copied nothing
-    # Every sync committed, unless the kill fell inside one
-    assert a[-1]["ft/syncs"] + a[-1]["ft/failed_syncs"] == steps // 4 and a[-1]["ft/failed_syncs"] <= 1
-    # It rejoined at a sync: its first step back follows a sync point past the kill, which it took part in.
-    assert back[0]["ft/recoveries"] == 1 and back[0]["step"] % 4 == 1 and back[0]["step"] > killed_at + 1
-    assert "recovered step" in procs[1].log.read_text()
+    a, back_rows = rows(dump, 0), rows(dump, 1)[6:]
+    assert [r["step"] for r in a] == list(range(1, steps + 1)) and [r["step"] for r in rows(dump, 1)[:6]] == \
+        list(range(1, 7))
+    # Group 0 synced alone at step 8, copied nothing, and every sync committed.
+    assert [(r["step"], r["ft/quorum"]) for r in a if r["step"] % 4 == 0] == [(4, 2), (8, 1), (12, 2), (16, 2)]
+    assert a[-1]["ft/recoveries"] == 0 and (a[-1]["ft/syncs"], a[-1]["ft/failed_syncs"]) == (4, 0)
+    # Group 1 rejoined at the sync of step 12, which it took part in, and holds group 0's weights after each sync.
+    assert [r["step"] for r in back_rows] == [13, 14, 15, 16] and back_rows[0]["ft/recoveries"] == 1
+    assert "recovered step 12" in procs[1].log.read_text()
     ours = {r["step"]: r["ft/weights_digest"] for r in a}
-    synced = [r for r in back if r["step"] % 4 == 0]
-    assert synced and all(r["ft/weights_digest"] == ours[r["step"]] for r in synced)
-    assert all(r["ft/quorum"] == 2 for r in synced)
+    assert back_rows[-1]["ft/weights_digest"] == ours[16] and back_rows[-1]["ft/syncs"] == 2
 
 
 @pytest.mark.ranks
 def test_a_sync_that_fails_in_one_group_fails_in_every_group(tmp_path, lighthouse):
     """DiLoCo every 2 steps; group 1's vote on its 2nd sync is no (its sync failed): group 0 does not apply that sync
     either, so both count one failed sync and hold the same weights after every sync."""
+    import socket
+
     args = [*DILOCO, "--training.steps", "8", "--fault_tolerance.log_state_digest"]
     flags = [ft_flags(lighthouse, i, min_size=2) for i in range(2)]
-    for proc in [start_single(tmp_path / "job", *args, *flags[i], delay=0.0,
-                              TESSERA_TEST_REFUSE_COMMIT="2" if i else "") for i in range(2)]:
-        finish(proc)
+    procs = [start_single(tmp_path / "job", *args, *flags[i], delay=0.0, TESSERA_TEST_REFUSE_COMMIT="2" if i else "")
+             for i in range(2)]
+    said = [line.split("] ", 1)[1] for line in finish(procs[0]).splitlines() if "the sync failed" in line]
+    finish(procs[1])
+    assert said == [f"fault tolerance: step 4: the sync failed (it failed in replica group 1 ({socket.gethostname()} "
+                    f"pid {procs[1].pid})); not applied (the fragment is reset to the weights of the last sync)"]
     last = [rows(tmp_path / "job", g) for g in range(2)]
     assert [(r[-1]["ft/syncs"], r[-1]["ft/failed_syncs"]) for r in last] == [(3, 1), (3, 1)]
     digests = [{r["step"]: r["ft/weights_digest"] for r in rows_ if r["step"] % 2 == 0} for rows_ in last]
@@ -261,54 +272,75 @@ def test_a_sync_that_fails_in_one_group_fails_in_every_group(tmp_path, lighthous
 
 
 @pytest.mark.paced
-def test_sigterm_to_every_process_then_the_relaunched_groups_agree_where_they_stand(tmp_path):
-    """SLURM's way (`--signal=TERM@300`, or a preemption): every job step gets SIGTERM, the lighthouse's
-    (tessera.lighthouse) too. Two DiLoCo groups, one faster, stop at different steps, each saving the step it
-    reached (exit 143) while the lighthouse serves on until a second SIGTERM. Relaunched, each from its own
-    checkpoint, the group behind copies the one that stopped last in their first quorum and neither syncs there: no
-    failed sync (a group syncing alone would fail after timeout_seconds), weights equal at every sync, and the
-    losses those of both groups relaunched from the leader's checkpoint."""
+def test_groups_stopped_at_different_steps_agree_when_relaunched_together_or_one_after_the_other(tmp_path):
+    """Two DiLoCo groups (every 4 steps) stop on SIGTERM at different steps: group 1 after step 6, then group 0,
+    alone from its sync of step 8 on, after step 11, with the lighthouse (tessera.lighthouse), which serves on through
+    that first SIGTERM. Each saves the step it reached (exit 143). Then, from copies of that folder:
+    - both relaunched at once (a fresh lighthouse): group 1, behind, copies group 0 in their first quorum and neither
+      syncs there (a group syncing alone would fail after timeout_seconds);
+    - group 1 relaunched first (the lighthouse left up), trained alone to its sync of step 8, where group 0, relaunched
+      meanwhile from step 11, joins: group 1 copies group 0 and, as group 0 is not at a sync, neither syncs there (a
+      line says so), where group 1 sent alone and waited for a transfer that never came.
+    Either way no sync fails, the weights are equal at every sync, and the losses are those of both groups relaunched
+    from group 0's checkpoint. The order is made to happen (tests/faults.py's TESSERA_TEST_HOLD), not paced."""
     import os
     import signal
 
-    dump, ref = tmp_path / "job", tmp_path / "ref"
+    dump, ref, together, late = (tmp_path / name for name in ("job", "ref", "together", "late"))
     args = [*DILOCO[:2], "--fault_tolerance.sync_steps", "4", "--training.steps", "16", "--checkpoint.enable",
-            "--checkpoint.interval", "4", "--fault_tolerance.log_state_digest", "--fault_tolerance.timeout_seconds",
-            "5"]
+            "--checkpoint.interval", "4"]
+    flags = lambda address, i: [*ft_flags(address, i), "--fault_tolerance.timeout_seconds", "5"]  # noqa: E731
+    hold = lambda *pairs: ",".join(f"{step}:{tmp_path / name}" for step, name in pairs)  # noqa: E731
+    last = lambda folder, g: rows(folder, g)[-1]["step"] if rows(folder, g) else 0  # noqa: E731
     server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
-    groups = [start_single(dump, *args, *ft_flags(address, i, min_size=2), delay=(0.05, 0.3)[i]) for i in range(2)]
+    servers, procs = [server], [start_single(dump, *args, *flags(address, i), delay=0.0,
+                                             TESSERA_TEST_HOLD=hold((1, "go"), (at, f"stop-{i}")))
+                                for i, at in enumerate([11, 6])]
     try:
-        wait_for("step 6", lambda: len(rows(dump, 0)) >= 6, [*groups, server])
-        for proc in (*groups, server):
-            os.kill(proc.pid, signal.SIGTERM)
-        outs = [finish(proc, expect=143) for proc in groups]
+        wait_for("both groups heartbeat", lambda: local.lighthouse_counts(address)[1] == 2, [*procs, server])
+        (tmp_path / "go").touch()  # both join at once: neither trains alone from the start
+        for g, at in ((1, 6), (0, 11)):
+            wait_for(f"group {g} held after step {at - 1}", lambda g=g, at=at: last(dump, g) == at - 1,
+                     [procs[g], server])
+            for proc in (procs[g], server) if g == 0 else (procs[g],):
+                os.kill(proc.pid, signal.SIGTERM)
+            (tmp_path / f"stop-{g}").touch()
+            assert f"stopped on SIGTERM after step {at} of 16" in finish(procs[g], expect=143)
         assert server.poll() is None  # it serves on through the first SIGTERM
+        assert [(r["step"], r["ft/quorum"]) for r in rows(dump, 0) if r["step"] % 4 == 0] == [(4, 2), (8, 1)]
+        for folder in (ref, together, late):
+            shutil.copytree(dump, folder)
+        shutil.rmtree(ref / "checkpoint/replica_1")  # the reference: both from group 0's checkpoint
+        shutil.copytree(ref / "checkpoint/replica_0", ref / "checkpoint/replica_1")
+        fresh = [local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500") for _ in (ref, together)]
+        servers += [proc for proc, _ in fresh]
+        procs = [start_single(folder, *args, *flags(other, i), delay=0.0, TESSERA_TEST_HOLD=hold((1, f"go-{n}")))
+                 for n, (folder, (_, other)) in enumerate(zip((ref, together), fresh, strict=True)) for i in range(2)]
+        # Group 1 first: it trains step 7 alone and is held until group 0 waits in its first quorum.
+        procs.append(start_single(late, *args, *flags(address, 1), delay=0.0, TESSERA_TEST_HOLD=hold((8, "back"))))
+        for n, (_, other) in enumerate(fresh):  # each pair joins at once
+            wait_for("both groups heartbeat", lambda a=other: local.lighthouse_counts(a)[1] == 2, procs)
+            (tmp_path / f"go-{n}").touch()
+        wait_for("group 1 held after step 7", lambda: last(late, 1) == 7, procs[-1:])
+        procs.append(start_single(late, *args, *flags(address, 0), delay=0.0))
+        wait_for("group 0 waits in its quorum", lambda: local.lighthouse_counts(address)[0] == 1, procs[-2:])
+        (tmp_path / "back").touch()
+        outs = [finish(proc) for proc in procs]
         os.kill(server.pid, signal.SIGTERM)
         assert server.wait(timeout=30) == 0 and "stopped on SIGTERM" in server.log.read_text()
     finally:
-        for proc in (*groups, server):
+        for proc in [*procs, *servers]:
             if proc.poll() is None:
                 kill(proc)
-    stopped = [rows(dump, g)[-1]["step"] for g in range(2)]
-    assert stopped[0] > stopped[1] and all(f"stopped on SIGTERM after step {n} of 16" in out
-                                           for n, out in zip(stopped, outs, strict=True)), stopped
-    shutil.copytree(dump, ref)  # the reference: both groups relaunched from the leader's checkpoint
-    shutil.rmtree(ref / "checkpoint/replica_1")
-    shutil.copytree(ref / "checkpoint/replica_0", ref / "checkpoint/replica_1")
-    for folder in (dump, ref):
-        server, address = local.start_lighthouse_process(tmp_path, "--join_timeout_ms", "500")
-        try:
-            for proc in [start_single(folder, *args, *ft_flags(address, i, min_size=2), delay=0.0)
-                         for i in range(2)]:
-                finish(proc)
-        finally:
-            kill(server)
-    again = [{r["step"]: r for r in rows(dump, g) if r["step"] > stopped[0]} for g in range(2)]
-    want = [{r["step"]: r for r in rows(ref, g) if r["step"] > stopped[0]} for g in range(2)]
-    assert [r["ft/failed_syncs"] for r in (again[0][16], again[1][16])] == [0, 0]
-    assert all(again[0][n]["ft/weights_digest"] == again[1][n]["ft/weights_digest"] for n in (8, 12, 16))
-    for g in range(2):
-        assert [again[g][n]["loss"] for n in sorted(again[g])] == [want[g][n]["loss"] for n in sorted(want[g])], g
+    assert "fault tolerance: step 11: no sync here: replica group 0 (" in outs[4] and "recovered step 11" in outs[4]
+    assert not [out for out in outs if "the sync failed" in out], outs
+    want = [{r["step"]: r["loss"] for r in rows(ref, g) if r["step"] > 11} for g in range(2)]
+    for folder in (together, late):
+        again = [{r["step"]: r for r in rows(folder, g) if r["step"] > 11} for g in range(2)]
+        assert [again[0][16]["ft/failed_syncs"], again[1][16]["ft/failed_syncs"]] == [0, 0], folder.name
+        assert all(again[0][n]["ft/weights_digest"] == again[1][n]["ft/weights_digest"] for n in (12, 16))
+        for g in range(2):
+            assert {n: r["loss"] for n, r in again[g].items()} == want[g], (folder.name, g)
 
 
 @pytest.mark.fast
@@ -333,6 +365,41 @@ def test_settings_that_do_not_fit_are_refused_in_one_line(flags, line):
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="^fault_tolerance.semi_sync_method: .* but fault_tolerance.enable is false"):
         check_config(parse_args(flags), None, False)
+
+
+@pytest.mark.fast
+def test_a_failed_transfer_is_said_in_one_line_naming_the_group_and_why(tmp_path):
+    """gloo's text (a timeout, a closed connection) becomes the reason; the group is named as its lock records it."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from torchft.manager import ExceptionWithTraceback
+
+    from tessera.ft import check
+    from tessera.ft.replicas import ReplicaGroup
+    from tessera.schema import parse_args
+
+    cfg = check.place_group(parse_args(["--job.dump_folder", str(tmp_path), *local.ft_flags("http://h:1", 0, 3)]))
+    for rid, owner in ((1, "node7 pid 4242"), (2, "node8 pid 17")):
+        (tmp_path / f"replica_{rid}").mkdir()
+        (tmp_path / f"replica_{rid}" / check.LOCK).write_text(owner)
+    group = SimpleNamespace(cfg=cfg, members=[0, 1])
+    group.name = partial(ReplicaGroup.name, group)
+
+    def said(error: Exception | None) -> str:
+        group.manager = SimpleNamespace(errored=lambda: error and ExceptionWithTraceback(error))
+        return ReplicaGroup.failure(group)
+    assert said(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed "
+                             "out waiting 60000ms for recv operation to complete")) == \
+        "the transfer with replica group 1 (node7 pid 4242) got no answer within fault_tolerance.timeout_seconds = 60"
+    group.members = [1, 0, 2]
+    assert said(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                             "[127.0.0.1]:41093")) == ("the transfer with replica groups 1 (node7 pid 4242), 2 (node8 "
+                                                       "pid 17) lost its connection (a group stopped, ended or was "
+                                                       "restarted)")
+    assert said(ValueError("bad\nmore")) == ("the transfer with replica groups 1 (node7 pid 4242), 2 (node8 pid 17) "
+                                             "failed: bad")
+    assert said(None) == "another rank of this group failed"
 
 
 @pytest.mark.fast

@@ -257,6 +257,13 @@ def _owner(folder: str) -> str:
         return "another process"
 
 
+def owner(cfg: JobConfig, rid: int) -> str:
+    """Who runs (or ran) replica group `rid`: "HOST pid N", as its lock records it (for a line about a failed
+    transfer with it; taking the lock to see whether it is free could refuse that group's relaunch meanwhile)."""
+    folder = group_folder(cfg, rid)
+    return _owner(folder) if os.path.exists(os.path.join(folder, LOCK)) else "not started from this folder"
+
+
 def _compare_live(cfg: JobConfig, rid: int, mine: dict) -> None:
     """Group `rid`, when it is running now (holds its lock), was started with this config."""
     folder = group_folder(cfg, rid)

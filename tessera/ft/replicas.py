@@ -39,11 +39,14 @@ def _digits(name: str) -> list[str]:
 
 
 def quiet_torchft() -> None:
-    """torchft logs every quorum and vote (its Rust side on stderr, its Python loggers at INFO): keep its warnings;
-    Tessera logs what changes (quorum changes, recoveries, steps not committed). RUST_LOG=info brings them back."""
+    """torchft logs every quorum and vote (its Rust side on stderr, its Python loggers at INFO): quiet; Tessera logs
+    what changes (quorum changes, recoveries, steps and syncs that fail: which group and why, ReplicaGroup.failure).
+    RUST_LOG=info brings torchft's Rust side back."""
     os.environ.setdefault("RUST_LOG", "warn")
+    # Its Python warnings are about NCCL's flight recorder; its errors are a collective's own text and traceback
+    # (gloo's "Timed out waiting 60000ms for recv operation"), which the manager also records for Tessera's line.
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # its warnings are about NCCL's flight recorder
+        logging.getLogger(name).setLevel(logging.CRITICAL)
         logging.getLogger(name).propagate = name == "torchft"
 
 
@@ -98,7 +101,9 @@ class ReplicaGroup:
         self.batches: list | None = None  # this step's batches, kept until it commits (run again if it does not)
         self.position = saved.data.state_dict()  # the data position at the start of the step being run
         self.recovered_s: float | None = None  # set by _load: this step started with a recovery
-        self.peer_at_sync = False  # set by _load: the group copied was at a sync, about to send (semi-synchronous)
+        self.members: list[int] = []  # the replica ids of the last quorum's groups, by rank in it (_check_quorum)
+        self.quorum_syncs = False  # semi-synchronous: every group of the last quorum syncs there (_check_quorum)
+        self.joiners: list[int] = []  # semi-synchronous: the last quorum's groups that are not at a sync
         self.quorum = 0
         self.recoveries, self.recovery_s, self.degraded_steps, self.uncommitted = 0, 0.0, 0, 0
         self.below_min_since: int | None = None
@@ -161,20 +166,28 @@ class ReplicaGroup:
         """Every group of the quorum is of this job, with these settings (a lighthouse may serve several jobs, and
         torchft forms one quorum of every group it hears). The quorum's job is that of its group furthest ahead
         (the lowest rank on a tie): a group of another job refuses itself; the others apply nothing of this step
-        and go on once it has left."""
+        and go on once it has left. The same table says each group's replica id (self.members, named when a
+        sync fails) and, semi-synchronous, whether it syncs here (self.quorum_syncs: all or none of them do)."""
+        self.quorum_syncs, self.joiners = False, []
         me = self.manager.participating_rank()
         if me is None:
             return
         mine = [float(int(self.settings[i:i + 4], 16)) for i in range(0, 16, 4)]
         mine += [float(int(d, 16)) for d in _digits(self.job)]
-        table = torch.zeros(self.manager.num_participants(), len(mine) + 1, dtype=torch.float64,
+        # A group at a sync point syncs; a relaunched one in its first quorum (SemiSync.join) does not, unless it
+        # copied a group at a sync. One that copied a relaunched one takes its place: nobody syncs then.
+        syncs = self.semi is not None and (self.semi.at_sync or self.recovered_s is not None)
+        table = torch.zeros(self.manager.num_participants(), len(mine) + 3, dtype=torch.float64,
                             device=self.world.device)
-        table[me] = torch.tensor([*mine, self.step], dtype=torch.float64)
+        table[me] = torch.tensor([*mine, self.cfg.fault_tolerance.replica_id, syncs, self.step], dtype=torch.float64)
         from torch.distributed import ReduceOp
         self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return  # a peer failed: this step does not commit anyway
-        rows = [row[:-1] for row in table.tolist()]
+        self.members = [int(i) for i in table[:, -3].tolist()]
+        self.joiners = [rid for rid, flag in zip(self.members, table[:, -2].tolist(), strict=True) if not flag]
+        self.quorum_syncs = self.semi is not None and not self.joiners
+        rows = [row[:len(mine)] for row in table.tolist()]
         lead = max(range(len(rows)), key=lambda i: (table[i, -1].item(), -i))
         if rows[lead] != mine:
             what = "job" if rows[lead][4:] != mine[4:] else "settings"
@@ -237,11 +250,32 @@ class ReplicaGroup:
             reset_statistics(self.balancer.layers)
         if self.below_min_since is None and self.world.rank == 0:
             why = (f"quorum {self.quorum} group(s), below fault_tolerance.min_replica_size {least}"
-                   if self.quorum < least else "a peer failed during the step")
+                   if self.quorum < least else self.failure())
             log.warning(f"fault tolerance: step {self.step + 1} not committed ({why}); nothing applied, it runs "
                         f"again{' until enough groups join' if self.quorum < least else ''}")
         self.below_min_since = self.step if self.quorum < least else None
         return False
+
+    def failure(self) -> str:
+        """Why this step's transfers with the other groups failed, and with which (one line, not the collective's
+        own text): from the error the manager recorded on this rank."""
+        error = self.manager.errored()
+        if error is None:
+            return "another rank of this group failed"
+        error = getattr(error, "original_exception", error)
+        text, f = str(error).strip(), self.cfg.fault_tolerance
+        if isinstance(error, TimeoutError) or "timed out" in text.lower():
+            what = f"got no answer within fault_tolerance.timeout_seconds = {f.timeout_seconds}"
+        elif any(s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")):
+            what = "lost its connection (a group stopped, ended or was restarted)"
+        else:
+            what = f"failed: {(text.splitlines() or [type(error).__name__])[0][:200]}"
+        return f"the transfer with {self.name([rid for rid in self.members if rid != f.replica_id])} {what}"
+
+    def name(self, ids: list[int]) -> str:
+        """'replica group 1 (HOST pid N)', several joined by commas."""
+        named = [f"{rid} ({check.owner(self.cfg, rid)})" for rid in ids]
+        return f"replica group{'s' if len(ids) > 1 else ''} {', '.join(named)}" if ids else "no other replica group"
 
     def note_quorum(self) -> None:
         """After a commit vote: the quorum's size, a change of it logged."""
@@ -296,8 +330,7 @@ class ReplicaGroup:
         """This rank's shard of everything a group trains with (no collective: torchft calls it from its quorum
         thread, while the step waits for the quorum). Semi-synchronous: copies, as this group goes on training while
         the recovering one reads them."""
-        state = live_state(self.saved, [self.job, self.settings], self.position, copy=self.semi is not None)
-        return {**state, "at_sync": self.semi is not None and self.semi.at_sync}
+        return live_state(self.saved, [self.job, self.settings], self.position, copy=self.semi is not None)
 
     def _load(self, state: dict) -> None:
         start = time.perf_counter()
@@ -308,5 +341,4 @@ class ReplicaGroup:
                               f"same config and fault_tolerance.job_name")
         load_live_state(self.saved, state)
         self.position, self.batches = dict(state["dataloader"]), None
-        self.peer_at_sync = bool(state.get("at_sync"))
         self.recovered_s = time.perf_counter() - start

@@ -18,7 +18,9 @@ one description (OuterState) for both the checkpoint and the live recovery.
 The schedule, with per = sync_steps / num_fragments and d = fragment_sync_delay: after step n, when
 n % per == (per - d) % per, the groups form a quorum (a group behind the others copies the live state here: a group
 that died mid-window and was relaunched waits for this point, then takes part in the sync) and fragment
-((n + d) // per - 1) % num_fragments is sent; when n % per == 0 it is applied. A sync that does not commit resets the
+((n + d) // per - 1) % num_fragments is sent; when n % per == 0 it is applied. A quorum syncs only when all its
+groups are at a sync (or copied one that is): a group relaunched between two syncs, ahead, makes it a quorum without
+a sync (ReplicaGroup._check_quorum asks every group). A sync that does not commit resets the
 fragment to the weights of the last sync (local_sgd: keeps the group's own weights), as torchft's classes do.
 """
 
@@ -153,16 +155,20 @@ class SemiSync:
         furthest ahead. Relaunched while the others train, it waits until they reach their next sync, copies their
         state there and takes part in that sync; relaunched with them (a whole job, each group from its own
         checkpoint, at its own step), it copies the state of the one that stopped last, which is in its join too:
-        then no group syncs here, and all train every step from there alike."""
+        then no group syncs here, and all train every step from there alike. The same when a group ahead of one
+        that trained on alone joins at that one's sync: it copies this group, and nobody syncs there."""
         self.joined, start, least, said = True, time.perf_counter(), self.f.min_replica_size, False
-        while not (healed := self._quorum()) and self.group.manager.num_participants() < least:
+        while not self._quorum() and self.group.manager.num_participants() < least:
             if self.group.world.rank == 0 and not said:
                 log.warning(f"fault tolerance: {self.group.manager.num_participants()} replica group(s) live, "
                             f"waiting for fault_tolerance.min_replica_size {least} before the first step")
             said = True
         self.group.note_quorum()
-        if healed and self.group.peer_at_sync:
+        if self.group.quorum_syncs:  # it copied a group at a sync: it takes part in that sync
             self._due(self.group.step)
+        elif self.group.manager.errored() is not None and self.group.world.rank == 0:
+            log.warning(f"fault tolerance: step {self.group.step}: the first quorum failed ({self.group.failure()}); "
+                        f"this group trains on and meets the others at their next sync")
         self.seconds += time.perf_counter() - start
 
     def after_step(self) -> None:
@@ -170,14 +176,25 @@ class SemiSync:
         if n % self.per == (self.per - self.delay) % self.per:
             self.at_sync = True
             self._quorum()
-            n = self.group.step  # a group behind the others is at theirs now
-            self._due(n)
             self.at_sync = False
+            if self.group.quorum_syncs or self.group.manager.errored() is not None:  # a failed quorum fails the sync
+                self._due(self.group.step)  # a group behind the others is at theirs now
+            else:
+                self._skipped()
         elif self.pending is not None and (n % self.per == 0 or n == self.group.cfg.training.steps):
             self._apply()  # the last step applies a fragment still in flight
         else:
             return
         self.seconds += time.perf_counter() - start
+
+    def _skipped(self) -> None:
+        """No sync at this quorum: a relaunched group joined it between two syncs (it resumed from its checkpoint
+        at another point of the window, or this group copied its state): the groups sync next time."""
+        step, per, at = self.group.step, self.per, (self.per - self.delay) % self.per
+        if self.group.world.rank == 0:
+            log.warning(f"fault tolerance: step {step}: no sync here: {self.group.name(self.group.joiners)} "
+                        f"joined between two syncs (relaunched); the groups sync next at step "
+                        f"{step + ((at - step) % per or per)}")
 
     def _quorum(self) -> bool:
         """A quorum of the live groups at this step; True when this group copied a live one's state."""
@@ -237,17 +254,30 @@ class SemiSync:
                 local(p).copy_(mean)
 
     def _commit(self) -> bool:
-        """One outcome for every group of the sync: this group's vote (torchft's, which its ranks share), then the
-        votes averaged over the groups; it commits only when all voted for it. A vote that does not arrive (a group
-        failed in the sync) fails it everywhere, so no group applies a sync another reset."""
-        manager = self.group.manager
+        """One outcome for every group of the sync: this group's vote (torchft's, which its ranks share), then every
+        group's vote gathered; it commits only when all voted for it. A vote that does not arrive (a group failed in
+        the sync) fails it everywhere, so no group applies a sync another reset. A failed sync says why in a line."""
+        manager, group = self.group.manager, self.group
         vote = manager.should_commit()
-        votes = torch.tensor([float(vote)], device=self.group.world.device)
-        manager.allreduce(votes).wait()
-        committed = vote and manager.errored() is None and votes.item() == 1.0
-        if vote and not committed and self.group.world.rank == 0:
-            log.warning(f"fault tolerance: step {self.group.step}: the sync failed in another replica group; not "
-                        f"applied here either (the fragment is reset to the weights of the last sync)")
+        votes = torch.zeros(max(manager.num_participants(), 1), device=group.world.device)
+        votes[manager.participating_rank() or 0] = float(vote)
+        from torch.distributed import ReduceOp
+        manager.allreduce(votes, reduce_op=ReduceOp.SUM).wait()
+        refused = [rid for rid, v in zip(group.members, votes.tolist(), strict=False) if v != 1.0]
+        committed = vote and manager.errored() is None and not refused
+        if not committed and group.world.rank == 0:
+            kept = ("the fragment is reset to the weights of the last sync" if self.f.semi_sync_method == "diloco"
+                    else "each group keeps its own weights")
+            log.warning(f"fault tolerance: step {group.step}: the sync failed ({self._why(vote, refused)}); not "
+                        f"applied ({kept})")
         self.syncs, self.failed = self.syncs + committed, self.failed + (not committed)
         self.group.note_quorum()
         return committed
+
+    def _why(self, vote: bool, refused: list[int]) -> str:
+        manager, least = self.group.manager, self.f.min_replica_size
+        if manager.errored() is None and not vote and manager.num_participants() < least:
+            return f"quorum {manager.num_participants()} group(s), below fault_tolerance.min_replica_size {least}"
+        if manager.errored() is None and vote:
+            return f"it failed in {self.group.name(refused)}"
+        return self.group.failure()
