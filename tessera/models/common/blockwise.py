@@ -11,10 +11,14 @@ Keys come in sources (`Keys`), all under one softmax, with a learned sink logit 
 - read by selection: `selected` [batch, queries, top-k] indices of the keys each query reads (-1: none), DSA's top-k
   keys and CSA's top-k entries, gathered a block of queries at a time.
 
-Queries are the last positions of the sequence: query i stands at `q_first + i`. Heads are grouped (GQA, MQA): the
-query heads of a key head read it without copies. A block holds about SCORES_PER_BLOCK scores (fp32), so memory
-grows with the sequence, not its square."""
+Each source is computed alone (its own softmax: an output and a log-sum-exp per query, `Kernels.forward`), and the
+sources and sinks merge by their log-sum-exps; backward takes each source's share from the merged output and
+log-sum-exp (`Kernels.backward`), as ring attention merges its partial blocks. A source's functions are the unit a
+fused kernel replaces (tessera.models.common.attention_triton). Queries are the last positions of the sequence:
+query i stands at `q_first + i`. Heads are grouped (GQA, MQA): the query heads of a key head read it without
+copies. A block holds about SCORES_PER_BLOCK scores (fp32), so memory grows with the sequence, not its square."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,19 +77,17 @@ def key_range(n: int, p0: int, p1: int, first: int = 0, stride: int = 1, window:
     return min(start, end), end
 
 
-def query_block(batch: int, q_heads: int, n_q: int, sources: list[Keys]) -> int:
-    """Queries per block: as many as keep a block's scores (and gathered keys) near SCORES_PER_BLOCK, and no more
-    than a window or chunk (a block of queries reads the keys of its span plus the window: blocks much longer than
-    it would compute mostly masked scores)."""
-    per_query, most = 1, n_q
-    for s in sources:
-        if s.selected is None:
-            per_query = max(per_query, batch * q_heads * min(s.k.shape[2], KEY_BLOCK))
-            most = min([most, *(n for n in (s.window, s.chunk) if n)])
-        else:
-            top, kv = s.selected.shape[-1], s.k.shape[1]
-            per_query = max(per_query, batch * top * (q_heads + kv * (s.k.shape[-1] + s.v.shape[-1])))
-    return max(1, min(most, SCORES_PER_BLOCK // per_query))
+def query_block(batch: int, q_heads: int, n_q: int, source: Keys) -> int:
+    """Queries per block of `source`: as many as keep a block's scores (and gathered keys) near SCORES_PER_BLOCK,
+    and no more than its window or chunk (a block of queries reads the keys of its span plus the window: blocks much
+    longer than it would compute mostly masked scores)."""
+    if source.selected is not None:
+        top, kv = source.selected.shape[-1], source.k.shape[1]
+        per_query, most = batch * top * (q_heads + kv * (source.k.shape[-1] + source.v.shape[-1])), n_q
+    else:
+        per_query = batch * q_heads * min(source.k.shape[2], KEY_BLOCK)
+        most = min([n_q, *(n for n in (source.window, source.chunk) if n)])
+    return max(1, min(most, SCORES_PER_BLOCK // max(1, per_query)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -107,37 +109,20 @@ def _gather(rows: torch.Tensor, index: torch.Tensor, n: int, heads: int) -> torc
     return rows.index_select(0, _row_index(index, heads, n)).view(index.shape[0], heads, *index.shape[1:], -1)
 
 
-class _Plan:
-    """The static part of one call: the query positions, each source's rule by position, block sizes. Every tensor
-    (keys, values, documents, selections) goes to autograd as saved tensors, so activation checkpointing governs
-    them all."""
+@dataclass(frozen=True)
+class Call:
+    """What one attention call shares among its sources: the queries' first position, the scale, the heads' grouping
+    and, for tests, block sizes (0: chosen per source)."""
+    q_first: int
+    scale: float
+    kv_heads: int
+    q_block: int = 0
+    k_block: int = 0
 
-    def __init__(self, q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, q_block: int,
-                 k_block: int):
-        self.q_first, self.scale = q_first, scale
-        self.rules = [(s.first, s.stride, s.window, s.chunk, s.v is s.k) for s in sources]
-        self.kv_heads = sources[0].k.shape[1]
-        self.groups = q.shape[1] // self.kv_heads
-        self.q_block = q_block or query_block(q.shape[0], q.shape[1], q.shape[2], sources)
-        self.k_block = k_block or KEY_BLOCK
-
-    @staticmethod
-    def tensors(sources: list[Keys]) -> list[torch.Tensor | None]:
-        """Each source's keys, values, documents and selection, in order (values that are the keys: the keys
-        twice, their gradients summed)."""
-        return [t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
-
-    def sources(self, tensors) -> list[Keys]:
-        """The sources again, from `tensors`' list."""
-        out = []
-        for i, (first, stride, window, chunk, same) in enumerate(self.rules):
-            k, v, documents, selected = tensors[4 * i:4 * i + 4]
-            out.append(Keys(k, k if same else v, first, stride, window, chunk, documents, selected))
-        return out
-
-    def query_blocks(self, n_q: int):
-        for i0 in range(0, n_q, self.q_block):
-            yield i0, min(i0 + self.q_block, n_q)
+    def query_blocks(self, q: torch.Tensor, source: Keys):
+        step = self.q_block or query_block(q.shape[0], q.shape[1], q.shape[2], source)
+        for i0 in range(0, q.shape[2], step):
+            yield i0, min(i0 + step, q.shape[2])
 
     def pieces(self, source: Keys, i0: int, i1: int, q_docs: torch.Tensor | None, device):
         """(j0, j1, mask or None where all allowed) of each key block queries i0..i1 may see; for a source by
@@ -148,8 +133,8 @@ class _Plan:
         p0, p1 = self.q_first + i0, self.q_first + i1 - 1
         j0, j1 = key_range(source.k.shape[2], p0, p1, source.first, source.stride, source.window, source.chunk)
         q_pos = torch.arange(p0, p1 + 1, device=device)
-        for a in range(j0, j1, self.k_block):
-            b = min(a + self.k_block, j1)
+        for a in range(j0, j1, self.k_block or KEY_BLOCK):
+            b = min(a + (self.k_block or KEY_BLOCK), j1)
             first, last = source.first + a * source.stride, source.first + (b - 1) * source.stride
             whole = last <= p0 and (not source.window or first > p1 - source.window) and (
                 not source.chunk or first // source.chunk == last // source.chunk == p0 // source.chunk
@@ -162,26 +147,28 @@ class _Plan:
                              None if source.documents is None else source.documents[:, a:b])
             yield a, b, mask[:, None, None]
 
-
-def _selected_rows(sources: list[Keys]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Each source by selection's keys and values as rows (_rows), made once per call."""
-    out = []
-    for s in sources:
-        rows = None
-        if s.selected is not None:
-            k = _rows(s.k)
-            rows = (k, k if s.v is s.k else _rows(s.v))
-        out.append(rows)
-    return out
+    def blocks(self, q: torch.Tensor, source: Keys, q_docs: torch.Tensor | None):
+        """(i0, i1, the scaled queries [b, kv heads, groups, q, d], their documents) of each block of queries."""
+        for i0, i1 in self.query_blocks(q, source):
+            qs = q[:, :, i0:i1].unflatten(1, (self.kv_heads, -1)) * self.scale
+            yield i0, i1, qs, None if q_docs is None else q_docs[:, i0:i1]
 
 
 def _keys_of(source: Keys, rows, j0, j1, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The piece's keys and values: [b, h, n, d] by position, [b, h, q, t, d] by selection (from `rows`)."""
+    """The piece's keys and values: [b, h, n, d] by position, [b, h, q, t, d] by selection (from `rows`, the
+    source's keys and values as rows: one copy per call)."""
     if source.selected is None:
         return source.k[:, :, j0:j1], source.v[:, :, j0:j1]
     index, n, heads = source.selected[:, i0:i1], source.k.shape[2], source.k.shape[1]
     k = _gather(rows[0], index, n, heads)
     return k, k if source.v is source.k else _gather(rows[1], index, n, heads)
+
+
+def _source_rows(source: Keys):
+    if source.selected is None:
+        return None
+    k = _rows(source.k)
+    return k, k if source.v is source.k else _rows(source.v)
 
 
 def _scores(qs: torch.Tensor, k: torch.Tensor, selected: bool, mask: torch.Tensor | None) -> torch.Tensor:
@@ -193,149 +180,185 @@ def _scores(qs: torch.Tensor, k: torch.Tensor, selected: bool, mask: torch.Tenso
 
 
 def _weigh(p: torch.Tensor, v: torch.Tensor, selected: bool) -> torch.Tensor:
-    if selected:
-        return torch.einsum("bhgqt,bhqtd->bhgqd", p, v)
-    return torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return torch.einsum("bhgqt,bhqtd->bhgqd" if selected else "bhgqk,bhkd->bhgqd", p, v)
 
 
-def _forward(plan: _Plan, sources: list[Keys], q: torch.Tensor, sinks: torch.Tensor | None,
-             q_docs: torch.Tensor | None, want_picked: bool):
-    b, hq, n_q, _ = q.shape
-    h, g = plan.kv_heads, plan.groups
-    dv = sources[0].v.shape[-1]
-    out = q.new_empty(b, hq, n_q, dv)
-    lse = q.new_empty(b, h, g, n_q, dtype=torch.float32)
-    picked, rows = None, _selected_rows(sources)
-    if want_picked and any(s.selected is not None for s in sources):
-        top = next(s.selected for s in sources if s.selected is not None).shape[-1]
-        picked = q.new_zeros(b, n_q, top, dtype=torch.float32)
-    for i0, i1 in plan.query_blocks(n_q):
-        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * plan.scale
-        docs = None if q_docs is None else q_docs[:, i0:i1]
-        m = q.new_full((b, h, g, i1 - i0), float("-inf"), dtype=torch.float32)
-        total, acc = torch.zeros_like(m), q.new_zeros(b, h, g, i1 - i0, dv, dtype=torch.float32)
-        kept = None  # the selected keys' exp(score - then max) and that max: their probabilities at the end
-        for source, source_rows in zip(sources, rows, strict=True):
-            chosen = source.selected is not None
-            for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
-                m, total, acc, p, safe = _online(m, total, acc, _scores(qs, k, chosen, mask), v, chosen)
-                if chosen:
-                    kept = p, safe
-        if sinks is not None:
-            sink = sinks.float().view(1, h, g, 1).expand_as(m)
-            new = torch.maximum(m, sink)
-            total = total * (m - new).exp() + (sink - new).exp()
-            acc = acc * (m - new).exp()[..., None]
-            m = new
-        empty = total == 0  # a query that sees no key (none in the selection): output 0
-        out[:, :, i0:i1] = (acc / torch.where(empty, 1, total)[..., None]).flatten(1, 2).to(out.dtype)
-        lse[..., i0:i1] = torch.where(empty, float("inf"), m + total.log())
-        if picked is not None:  # [b, q, top-k], 0 where not selected
-            picked[:, i0:i1] = (kept[0] * (kept[1] - lse[..., i0:i1]).exp()[..., None]).sum((1, 2))
-    return out, lse, picked
+def source_forward(call: Call, source: Keys, q: torch.Tensor, q_docs: torch.Tensor | None,
+                   rest: torch.Tensor | None = None):
+    """One source's own softmax, torch: (each query's output over its keys, fp32 [b, kv heads, groups, n_q, dv]; its
+    log-sum-exp [b, kv heads, groups, n_q], -inf where it sees none of them; with `rest`, the log-sum-exp of the
+    rest of the softmax (the other sources and the sinks), a source by selection's keys' probabilities in the whole
+    softmax summed over heads [b, n_q, top-k], else None)."""
+    b, _, n_q, _ = q.shape
+    h = call.kv_heads
+    out = q.new_empty(b, h, q.shape[1] // h, n_q, source.v.shape[-1], dtype=torch.float32)
+    lse = q.new_empty(b, h, q.shape[1] // h, n_q, dtype=torch.float32)
+    rows, chosen = _source_rows(source), source.selected is not None
+    probs = None if rest is None else q.new_zeros(*source.selected.shape, dtype=torch.float32)
+    for i0, i1, qs, docs in call.blocks(q, source, q_docs):
+        m = q.new_full(qs.shape[:-1], float("-inf"), dtype=torch.float32)
+        total, acc = torch.zeros_like(m), torch.zeros_like(out[..., i0:i1, :])
+        for j0, j1, mask in call.pieces(source, i0, i1, docs, q.device):
+            k, v = _keys_of(source, rows, j0, j1, i0, i1)
+            s = _scores(qs, k, chosen, mask)
+            new = torch.maximum(m, s.amax(-1))
+            safe = torch.where(torch.isinf(new), 0.0, new)  # rows with nothing seen yet
+            alpha = (m - safe).exp_()
+            p = s.sub_(safe[..., None]).exp_()
+            total, m = total.mul_(alpha).add_(p.sum(-1)), new
+            acc = acc.mul_(alpha[..., None]).add_(_weigh(p.to(v.dtype), v, chosen))
+        out[..., i0:i1, :] = acc / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+        lse[..., i0:i1] = m + total.log()  # -inf (log 0) where it saw none
+        if probs is not None:  # a selection is one piece: p is exp(scores - m), m its max
+            whole = torch.logaddexp(lse[..., i0:i1], rest[..., i0:i1])
+            probs[:, i0:i1] = (p * (m - whole).nan_to_num(neginf=float("-inf")).exp()[..., None]).sum((1, 2))
+    return out, lse, probs
 
 
-def _online(m, total, acc, s, v, chosen: bool):
-    """One piece's scores `s` (consumed) into the running max, total and weighted values; also returns the piece's
-    exp(s - max) and that max."""
-    new = torch.maximum(m, s.amax(-1))
-    safe = torch.where(torch.isinf(new), 0.0, new)  # rows with nothing seen yet
-    alpha = (m - safe).exp_()
-    p = s.sub_(safe[..., None]).exp_()
-    total = total.mul_(alpha).add_(p.sum(-1))
-    acc = acc.mul_(alpha[..., None]).add_(_weigh(p.to(v.dtype), v, chosen))
-    return new, total, acc, p, safe
+def source_backward(call: Call, source: Keys, q: torch.Tensor, q_docs: torch.Tensor | None, lse: torch.Tensor,
+                    d_out: torch.Tensor, delta: torch.Tensor):
+    """One source's share of the gradients, torch, from the merged softmax's log-sum-exp `lse` [b, h, g, n_q]
+    (+inf where a query saw nothing), the output's gradient `d_out` [b, heads, n_q, dv] and delta = rowsum(d_out x
+    out) [b, h, g, n_q] -> (dq fp32 [b, heads, n_q, dk], dk fp32, dv fp32, in k's and v's shapes)."""
+    h = call.kv_heads
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk, dv = (torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+              for x in (source.k, source.v))
+    rows, chosen = _source_rows(source), source.selected is not None
+    for i0, i1, qs, docs in call.blocks(q, source, q_docs):
+        dob = d_out[:, :, i0:i1].unflatten(1, (h, -1))
+        rows_lse, rows_delta = lse[..., i0:i1, None], delta[..., i0:i1, None]
+        dqb = torch.zeros_like(qs, dtype=torch.float32)
+        for j0, j1, mask in call.pieces(source, i0, i1, docs, q.device):
+            k, v = _keys_of(source, rows, j0, j1, i0, i1)
+            p = _scores(qs, k, chosen, mask).sub_(rows_lse).exp_()
+            if chosen:
+                ds = torch.einsum("bhgqd,bhqtd->bhgqt", dob, v).float().sub_(rows_delta).mul_(p)
+                dqb += torch.einsum("bhgqt,bhqtd->bhgqd", ds.to(k.dtype), k)
+                at = _row_index(source.selected[:, i0:i1], h, source.k.shape[2])  # entries < 0 add 0 at row 0
+                _rows(dk).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qs)
+                                     .reshape(-1, dk.shape[-1]).float())
+                _rows(dv).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", p.to(q.dtype), dob)
+                                     .reshape(-1, dv.shape[-1]).float())
+            else:
+                ds = torch.einsum("bhgqd,bhkd->bhgqk", dob, v).float().sub_(rows_delta).mul_(p)
+                dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds.to(k.dtype), k)
+                dk[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", ds.to(q.dtype), qs)
+                dv[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", p.to(q.dtype), dob)
+        dq[:, :, i0:i1] = dqb.mul_(call.scale).flatten(1, 2)  # ds is d/d(scaled scores): dq takes the scale
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A source's functions (source_forward's and source_backward's arguments); `takes(source, q)`: whether they
+    compute it (others fall back to torch's)."""
+    forward: Callable
+    backward: Callable
+    takes: Callable = lambda source, q: True  # noqa: E731
+
+
+TORCH = Kernels(source_forward, source_backward)
+
+
+def _kernels_for(kernels: Kernels, source: Keys, q: torch.Tensor) -> Kernels:
+    return kernels if kernels.takes(source, q) else TORCH
+
+
+def _sink_lse(sinks: torch.Tensor | None, q: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    return sinks.float().view(1, kv_heads, -1, 1).expand(q.shape[0], kv_heads, q.shape[1] // kv_heads, q.shape[2])
+
+
+def _merge(parts, sink: torch.Tensor | None):
+    """The sources' (outputs, log-sum-exps) and the sinks' logits as one softmax -> (out fp32 [b, h, g, n_q, dv],
+    lse [b, h, g, n_q]; +inf where a query sees nothing, so its probabilities in backward are 0)."""
+    lse = torch.logsumexp(torch.stack([part[1] for part in parts] + ([sink] if sink is not None else [])), dim=0)
+    seen = torch.isfinite(lse)
+    out = sum(part[0] * torch.where(seen, (part[1] - lse).exp(), 0.0)[..., None] for part in parts)
+    return out, torch.where(seen, lse, float("inf"))
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, want_picked: bool, q: torch.Tensor, sinks: torch.Tensor | None,
-                q_docs: torch.Tensor | None, *tensors: torch.Tensor | None):
-        out, lse, picked = _forward(plan, plan.sources(tensors), q, sinks, q_docs, want_picked)
-        ctx.plan = plan
-        ctx.save_for_backward(q, sinks, q_docs, out, lse, *tensors)
-        ctx.mark_non_differentiable(lse)
+    def forward(ctx, call: Call, kernels: Kernels, want_picked: bool, rules: tuple, q: torch.Tensor,
+                sinks: torch.Tensor | None, q_docs: torch.Tensor | None, *tensors: torch.Tensor | None):
+        sources = _sources(rules, tensors)
+        sink = _sink_lse(sinks, q, call.kv_heads)
+        # the sources by position first: a selection's probabilities are taken in its pass, from the rest's total
+        parts = [_kernels_for(kernels, s, q).forward(call, s, q, q_docs) for s in sources if s.selected is None]
+        picked = None
+        for source in (s for s in sources if s.selected is not None):
+            rest = None
+            if want_picked:
+                others = [part[1] for part in parts] + ([sink] if sink is not None else [])
+                rest = torch.logsumexp(torch.stack(others), dim=0) if others else \
+                    q.new_full((q.shape[0], call.kv_heads, q.shape[1] // call.kv_heads, q.shape[2]), float("-inf"),
+                               dtype=torch.float32)
+            parts.append(_kernels_for(kernels, source, q).forward(call, source, q, q_docs, rest))
+            picked = parts[-1][2]
+        out, lse = _merge(parts, sink)
+        out = out.flatten(1, 2).to(q.dtype)
         if picked is not None:
             ctx.mark_non_differentiable(picked)
+        ctx.call, ctx.kernels, ctx.rules = call, kernels, rules
+        ctx.save_for_backward(q, sinks, q_docs, out, lse, *tensors)
+        ctx.mark_non_differentiable(lse)
         return out, lse, picked
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor, _lse, _picked):
         q, sinks, q_docs, out, lse, *tensors = ctx.saved_tensors
-        plan = ctx.plan
-        dq, d_sinks, dkv = _backward(plan, plan.sources(tensors), q, sinks, q_docs, out, lse, d_out)
-        return (None, None, dq, d_sinks, None, *(g for pair in zip(dkv[::2], dkv[1::2], strict=True)
-                                                  for g in (*pair, None, None)))
+        call, h = ctx.call, ctx.call.kv_heads
+        delta = (d_out.float() * out.float()).sum(-1).unflatten(1, (h, -1))
+        dq, grads = torch.zeros_like(q, dtype=torch.float32), []
+        for source in _sources(ctx.rules, tensors):
+            dq_s, dk, dv = _kernels_for(ctx.kernels, source, q).backward(call, source, q, q_docs, lse, d_out, delta)
+            dq += dq_s
+            grads += [dk.to(source.k.dtype), dv.to(source.v.dtype), None, None]
+        d_sinks = None
+        if sinks is not None:  # a sink's gradient: -sum over queries of its probability times delta
+            d_sinks = -((sinks.float().view(1, h, -1, 1) - lse).exp() * delta).sum((0, 3)).flatten().to(sinks.dtype)
+        return (None, None, None, None, dq.to(q.dtype), d_sinks, None, *grads)
 
 
-def _backward(plan: _Plan, sources: list[Keys], q, sinks, q_docs, out, lse, d_out):
-    b, hq, n_q, _ = q.shape
-    h, g = plan.kv_heads, plan.groups
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    gathered = _selected_rows(sources)
-    grads = [[torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format) for x in (s.k, s.v)]
-             for s in sources]
-    d_sinks = None if sinks is None else torch.zeros(h, g, device=q.device, dtype=torch.float32)
-    for i0, i1 in plan.query_blocks(n_q):
-        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * plan.scale
-        dob = d_out[:, :, i0:i1].unflatten(1, (h, g))
-        rows = lse[..., i0:i1, None]
-        delta = (dob.float() * out[:, :, i0:i1].unflatten(1, (h, g)).float()).sum(-1)  # [b, h, g, q]
-        docs = None if q_docs is None else q_docs[:, i0:i1]
-        dqb = torch.zeros_like(qs, dtype=torch.float32)
-        for source, source_rows, (dk, dv) in zip(sources, gathered, grads, strict=True):
-            chosen = source.selected is not None
-            for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
-                k, v = _keys_of(source, source_rows, j0, j1, i0, i1)
-                p = _scores(qs, k, chosen, mask).sub_(rows).exp_()
-                if chosen:
-                    ds = torch.einsum("bhgqd,bhqtd->bhgqt", dob, v).float().sub_(delta[..., None]).mul_(p)
-                    dqb += torch.einsum("bhgqt,bhqtd->bhgqd", ds.to(k.dtype), k)
-                    at = _row_index(source.selected[:, i0:i1], h, source.k.shape[2])  # entries < 0 add 0 at 0
-                    _rows(dk).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", ds.to(q.dtype), qs)
-                                         .reshape(-1, dk.shape[-1]).float())
-                    _rows(dv).index_add_(0, at, torch.einsum("bhgqt,bhgqd->bhqtd", p.to(q.dtype), dob)
-                                         .reshape(-1, dv.shape[-1]).float())
-                else:
-                    ds = torch.einsum("bhgqd,bhkd->bhgqk", dob, v).float().sub_(delta[..., None]).mul_(p)
-                    dqb += torch.einsum("bhgqk,bhkd->bhgqd", ds.to(k.dtype), k)
-                    dk[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", ds.to(q.dtype), qs)
-                    dv[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", p.to(q.dtype), dob)
-        dq[:, :, i0:i1] = dqb.mul_(plan.scale).flatten(1, 2)  # ds is d/d(scaled scores): dq takes the scale
-        if sinks is not None:
-            p_sink = (sinks.float().view(1, h, g, 1) - rows[..., 0]).exp()
-            d_sinks -= (p_sink * delta).sum((0, 3))
-    dkv = [grad.to(x.dtype) for source, pair in zip(sources, grads, strict=True)
-           for grad, x in zip(pair, (source.k, source.v), strict=True)]
-    return dq.to(q.dtype), None if sinks is None else d_sinks.flatten().to(sinks.dtype), dkv
+def _sources(rules: tuple, tensors) -> list[Keys]:
+    """The sources from their rules (first, stride, window, chunk, values are keys) and their tensors, four each."""
+    out = []
+    for i, (first, stride, window, chunk, same) in enumerate(rules):
+        k, v, documents, selected = tensors[4 * i:4 * i + 4]
+        out.append(Keys(k, k if same else v, first, stride, window, chunk, documents, selected))
+    return out
 
 
 # Run eagerly inside a compiled block (a graph break): traced, its loop over blocks would unroll into the graph.
 @torch.compiler.disable
 def attention(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, sinks: torch.Tensor | None = None,
-              q_documents: torch.Tensor | None = None, picked: bool = False, q_block: int = 0, k_block: int = 0):
+              q_documents: torch.Tensor | None = None, picked: bool = False, kernels: Kernels = TORCH,
+              q_block: int = 0, k_block: int = 0):
     """q [batch, heads, n_q, dk] at positions q_first.. over `sources` (all with the same kv heads and value size),
     one softmax with `sinks` [heads] -> (out [batch, heads, n_q, dv], lse [batch, kv heads, groups, n_q], and with
-    `picked` the probabilities of a selected source's keys summed over heads [batch, n_q, top-k], else None).
-    `q_block`, `k_block`: block sizes (0: chosen by size)."""
-    plan = _Plan(q, sources, q_first, scale, q_block, k_block)
-    return _Attention.apply(plan, picked, q, sinks, q_documents, *plan.tensors(sources))
+    `picked` the probabilities of the selected source's keys summed over heads [batch, n_q, top-k], else None).
+    `kernels`: a source's functions (torch's by default); `q_block`, `k_block`: block sizes (0: chosen by size).
+    Every tensor (keys, values, documents, selections) is saved for backward as autograd's, so activation
+    checkpointing governs them all."""
+    call = Call(q_first, scale, sources[0].k.shape[1], q_block, k_block)
+    rules = tuple((s.first, s.stride, s.window, s.chunk, s.v is s.k) for s in sources)
+    tensors = [t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
+    return _Attention.apply(call, kernels, picked, rules, q, sinks, q_documents, *tensors)
 
 
 @torch.no_grad()
 def max_logits(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float,
                q_documents: torch.Tensor | None = None) -> torch.Tensor:
     """[heads]: the largest score each query head gives a key it sees (QK-clip's S), in fp32, block by block."""
-    plan = _Plan(q, sources, q_first, scale, 0, 0)
-    h, g = plan.kv_heads, plan.groups
-    best = q.new_full((h, g), float("-inf"), dtype=torch.float32)
-    gathered = _selected_rows(sources)
-    for i0, i1 in plan.query_blocks(q.shape[2]):
-        qs = q[:, :, i0:i1].unflatten(1, (h, g)) * scale
-        docs = None if q_documents is None else q_documents[:, i0:i1]
-        for source, rows in zip(sources, gathered, strict=True):
-            for j0, j1, mask in plan.pieces(source, i0, i1, docs, q.device):
+    call = Call(q_first, scale, sources[0].k.shape[1])
+    best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
+    for source in sources:
+        rows = _source_rows(source)
+        for i0, i1, qs, docs in call.blocks(q, source, q_documents):
+            for j0, j1, mask in call.pieces(source, i0, i1, docs, q.device):
                 s = _scores(qs, _keys_of(source, rows, j0, j1, i0, i1)[0], source.selected is not None, mask)
-                best = torch.maximum(best, s.amax((0, 3, 4)))
-    return best.flatten()
+                best = torch.maximum(best, s.amax((0, 3, 4)).flatten())
+    return best
