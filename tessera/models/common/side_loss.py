@@ -71,5 +71,6 @@ class Lookahead(nn.Module):
 
     def trained(self, labels: torch.Tensor) -> torch.Tensor:
         """The divisor of a rank's summed loss over `labels` that makes it (averaged over the ranks that hold
-        parts of the sequence, as gradients are) the whole sequence's mean: its trained labels (at least 1)."""
+        parts of the micro-batch, as gradients are) the whole micro-batch's mean: its trained labels (at least 1);
+        a layout's lookahead counts them over those ranks."""
         return self.count(labels).clamp(min=1)
