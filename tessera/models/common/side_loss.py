@@ -50,8 +50,9 @@ class SideLoss(nn.Module):
 
 class Lookahead(nn.Module):
     """What a side loss reads of the tokens after each position (multi-token prediction's inputs and targets),
-    of sequences [..., seq] along their last dim. Context parallelism swaps it for one that reads across its
-    ranks' chunks (tessera.parallel.cp.ContextParallelLookahead): a model sees only its own."""
+    of sequences [..., seq] along their last dim. Data and context parallelism swap it for one that counts trained
+    labels over their ranks and reads across CP's chunks (tessera.parallel.cp.SplitLookahead): a model sees only
+    its own."""
 
     @staticmethod
     def shift(x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
