@@ -86,9 +86,13 @@ def dcp_to_hf(src: Path, dst: Path, opts) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": state}, checkpoint_id=str(src))
-    c = cfg.checkpoint  # the run's: where it started from
+    c, assets = cfg.checkpoint, cfg.model.hf_assets_path  # the run's: where it started from, its tokenizer
+    if assets and not os.path.isdir(assets):
+        print(f"python -m tessera.convert: warning: model.hf_assets_path: the run's tokenizer folder '{assets}' (its "
+              f"config.toml) is not here; the export carries no tokenizer files", file=sys.stderr)
     save_hf(state, args, dst, dtype=opts.dtype, family=cfg.model.name,
-            carry_from=c.initial_load_path if c.initial_load_in_hf and os.path.isdir(c.initial_load_path) else None)
+            carry_from=c.initial_load_path if c.initial_load_in_hf and os.path.isdir(c.initial_load_path) else None,
+            tokenizer_from=assets if os.path.isdir(assets) else None)
 
 
 def hf_to_dcp(src: Path, dst: Path, opts) -> None:

@@ -400,7 +400,8 @@ def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list
             "V4 EP 2 x FSDP 4, op AC": (v4, [batch, "2", *ep, *op_ac]),
             "V4 PP 2 x EP 2 x FSDP": (v4, [batch, "4", *ep, *pp]),
             "V4 TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *ep, *tp]),
-            "V4 MTP PP 2 x EP 2 x FSDP": (v4_mtp, [batch, "4", *ep, *pp])}
+            "V4 MTP PP 2 x EP 2 x FSDP": (v4_mtp, [batch, "4", *ep, *pp]),
+            "V4 MTP TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4_mtp), [batch, "4", *ep, *tp])}
 
 
 @pytest.mark.ranks
@@ -425,7 +426,8 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     hash-routed block): EP 2 x FSDP 4 under op AC, PP 2 x EP 2 x FSDP (the hash-routed block on the first stage), and
     on packed documents TP 2 x EP 2 x FSDP 2 (query heads split, the key/value head, compressors and indexer whole,
     hash routing's token ids cut like the tokens); its two MTP depths under PP 2 x EP 2 x FSDP (on the last stage, fed
-    the first stage's embeddings)."""
+    the first stage's embeddings) and on packed documents TP 2 x EP 2 x FSDP 2 (the data ranks'
+    shares of each depth's trained targets unequal: the depth's mean counts them over both)."""
     from tests.launch import assert_matches, one_process, run_cases
     from tests.test_speed_features import LOW_PRECISION_TOL
 

@@ -1,6 +1,6 @@
 """Downstream evaluation (tessera/eval, [eval]): Tessera's lm-eval model against lm-eval's `hf` backend on the same
 Hugging Face folder (multiple choice, rolling log-likelihood, generation: task YAMLs over local JSON in
-tests/eval_tasks), the command lines, and bad input refused in one line."""
+tests/eval_tasks), the command lines, lm-eval's own `hf` model on exports, and bad input refused in one line."""
 
 import json
 import os
@@ -19,11 +19,12 @@ TASKS = ROOT / "tests" / "eval_tasks"
 YAMLS = [str(TASKS / f"{name}.yaml") for name in ("mc", "rolling", "gen")]
 
 
-def bpe_folder(folder: Path) -> Path:
-    """A tiny Llama saved by transformers, with a byte-level BPE trained on the tasks' texts whose post-processor
-    puts BOS first (as Llama 3's): lm-eval's hf backend encodes with it, special tokens included."""
+def bpe_folder(folder: Path, family: str = "llama") -> Path:
+    """A tiny Llama (or Qwen 3, `family` "qwen3": per-head q/k norms) saved by transformers, with a byte-level BPE
+    trained on the tasks' texts whose post-processor puts BOS first (as Llama 3's): lm-eval's hf backend encodes
+    with it, special tokens included."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     texts = [line for f in TASKS.glob("*.jsonl") for line in f.read_text().splitlines()] * 3
     tok = Tokenizer(models.BPE())
@@ -35,10 +36,11 @@ def bpe_folder(folder: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, bos_token_id=0,
-                         eos_token_id=1, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    sizes = dict(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=96, bos_token_id=0, eos_token_id=1,
+                 tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**sizes)) if family == "llama" else \
+        Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=8))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)  # sharp enough that greedy picks are clear and choices differ
@@ -261,3 +263,39 @@ def test_in_loop_evaluation_is_refused_where_it_cannot_run(argv, expect):
 
     with pytest.raises(ConfigError, match=expect):
         validate(parse_args([*argv, *EVAL]), 4, training=True)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_lm_evals_hf_model_on_an_export_scores_as_tessera_eval(family, tmp_path, monkeypatch, capsys):
+    """lm-eval's stock `hf` model (lm-eval 0.4.13 takes no model plugins) on a run's Hugging Face export, offline,
+    with the tokenizer the export carries (the run's model.hf_assets_path): every score `python -m tessera.eval`
+    gives on the run's checkpoint of the same step, on the multiple-choice, rolling and generation tasks. The run
+    starts from a tiny transformers model of the family and trains a step."""
+    import datasets
+    import huggingface_hub
+    from lm_eval import simple_evaluate
+
+    from tessera.eval.__main__ import main
+    from tessera.eval.tasks import resolve
+    from tests.launch import run_local
+
+    hf_in = bpe_folder(tmp_path / "hf_in", "llama" if family == "llama3" else family)
+    run_local(tmp_path / "run", "--model.name", family, "--model.flavor=", "--model.hf_assets_path", str(hf_in),
+              "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+              "--checkpoint.initial_load_path", str(hf_in), "--checkpoint.last_save_in_hf")
+    export = tmp_path / "run/checkpoint/exports/step-1"
+    assert (export / "tokenizer.json").read_bytes() == (hf_in / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    assert main(["--checkpoint.initial_load_path", str(tmp_path / "run/checkpoint/step-1"), "--eval.tasks",
+                 ",".join(YAMLS), "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    for module in (huggingface_hub.constants, datasets.config):  # read once at import: the variable alone is late
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    theirs = simple_evaluate(model="hf", model_args={"pretrained": str(export), "dtype": "float32", "device": "cpu",
+                                                     "batch_size": 4}, tasks=resolve(YAMLS), bootstrap_iters=0)
+    assert {key.split("/")[0] for key in ours} == set(theirs["results"]) == \
+        {"tessera_test_mc", "tessera_test_rolling", "tessera_test_gen"}
+    for key, value in ours.items():
+        task, metric = key.split("/")
+        assert theirs["results"][task][f"{metric},none"] == pytest.approx(value, rel=1e-4), key

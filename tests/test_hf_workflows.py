@@ -17,8 +17,9 @@ from tests.test_hf import ENV, ROOT, _args, _assert_same_logits, _hf_folder, _ou
 # --- convert CLI --------------------------------------------------------------------------------------------
 
 
-def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
-    """What the trainer writes: nested model / optimizer / train state, config.toml and the .complete marker."""
+def _tessera_checkpoint(path: Path, ours: Transformer, assets: Path | None = None) -> None:
+    """What the trainer writes: nested model / optimizer / train state, config.toml and the .complete marker;
+    `assets`: the run's tokenizer folder (model.hf_assets_path)."""
     import torch.distributed.checkpoint as dcp
 
     from tessera.checkpoint.manager import write_marker
@@ -30,7 +31,8 @@ def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
     with warnings.catch_warnings():  # "... assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    cfg = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32"])
+    cfg = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32",
+                      *(["--model.hf_assets_path", str(assets)] if assets else [])])
     (path / "config.toml").write_text(to_toml(cfg))
     write_marker(str(path), 3, "full")
 
@@ -38,7 +40,11 @@ def _tessera_checkpoint(path: Path, ours: Transformer) -> None:
 def test_convert_cli_round_trip(tmp_path):
     ours = _ours(_args())
     ckpt, hf, back, pt = tmp_path / "step-3", tmp_path / "hf", tmp_path / "step-0", tmp_path / "model.pt"
-    _tessera_checkpoint(ckpt, ours)
+    assets = tmp_path / "tokenizer"
+    assets.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "README.md"):
+        (assets / name).write_text(f"{name} of the run")
+    _tessera_checkpoint(ckpt, ours, assets)
     # One interpreter runs `python -m tessera.convert ...` three times, then torch's own converter on our
     # checkpoint: start-up dominates.
     runs = [["tessera.convert", "dcp-to-hf", str(ckpt), str(hf)], ["tessera.convert", "hf-to-dcp", str(hf), str(back)],
@@ -55,6 +61,9 @@ def test_convert_cli_round_trip(tmp_path):
     assert config["vocab_size"] == 97  # the checkpoint's, which "tiny" takes from the tokenizer
     assert config["max_position_embeddings"] > config["rope_parameters"]["original_max_position_embeddings"]
     _assert_same_logits(ours, _pretrained(hf))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the run's tokenizer, which the export loads with
+        assert (hf / name).read_text() == f"{name} of the run"
+    assert not (hf / "README.md").exists()
     # hf-to-dcp built config.json's architecture and wrote a model-only Tessera checkpoint recording it.
     from tessera.models import args_from_json
     assert args_from_json(json.loads((back / "model.json").read_text()))[1].arch() == _args().arch()
@@ -115,6 +124,14 @@ def test_convert_cli_bad_input(tmp_path, capsys):
     assert main(["dcp-to-hf", str(ckpt), str(other), "--overwrite"]) == 0
     assert not (other / ".complete").exists() and (other / "config.json").read_bytes() != before["config.json"]
     assert [p.name for p in tmp_path.iterdir() if ".converting-" in p.name] == []
+    # A run whose tokenizer folder is not on this machine converts, its export without the tokenizer, in one line.
+    moved = tmp_path / "step-2"
+    _tessera_checkpoint(moved, _ours(_args()), tmp_path / "gone")
+    assert main(["dcp-to-hf", str(moved), str(tmp_path / "bare")]) == 0
+    assert capsys.readouterr().err == (f"python -m tessera.convert: warning: model.hf_assets_path: the run's tokenizer "
+                                       f"folder '{tmp_path / 'gone'}' (its config.toml) is not here; the export "
+                                       f"carries no tokenizer files\n")
+    assert (tmp_path / "bare/config.json").exists() and not (tmp_path / "bare/tokenizer.json").exists()
 
 
 # --- download script ----------------------------------------------------------------------------------------

@@ -21,11 +21,10 @@ STEPS = 3
 
 def test_mtp_layouts_equal_one_process(tmp_path):
     """One 4-rank launch: TP 2 x FSDP 2 (loss parallel); TP 2 x FSDP 2 without loss parallel; CP 2 x FSDP 2
-    (all-gather); CP 2 x TP 2 (Ulysses: 4 heads over 4 ranks); CP 4 with documents packed into each window
+    (all-gather); CP 2 x TP 2 (Ulysses: 4 heads over 4 ranks); CP 2 x FSDP 2 with documents packed into each window
     (block-causal, each document's first label masked: each depth's shifted tokens, documents, positions and
-    targets cross the chunks); and TP 2 x FSDP 2 at weight 0 (the depths split, kept, untrained). No DP in the
-    documents case: a depth's loss is each DP rank's mean over its own trained targets, as without CP, which differs
-    from one process's mean where the ranks' counts do."""
+    targets cross the chunks, and its trained targets, unequal over the ranks, are counted over DP and CP); and TP 2
+    x FSDP 2 at weight 0 (the depths split, kept, untrained)."""
     docs = tmp_path / "short.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {k}: " + "ab cd " * (k % 5)}) + "\n" for k in range(400)))
     packed = ["--training.dataset", "files", "--training.dataset_path", str(docs), "--model.attn_mask_type",
@@ -34,7 +33,7 @@ def test_mtp_layouts_equal_one_process(tmp_path):
              "TP 2 x FSDP 2, no loss parallel": [BATCH, "4", *TP2, "--parallelism.disable_loss_parallel"],
              "CP 2 x FSDP 2": [BATCH, "4", *CP2],
              "CP 2 (Ulysses) x TP 2": [BATCH, "8", *CP2, *TP2, "--parallelism.context_parallel_method", "ulysses"],
-             "documents, CP 4": [*packed, BATCH, "8", "--parallelism.context_parallel_degree", "4"],
+             "documents, CP 2 x FSDP 2": [*packed, BATCH, "4", *CP2],
              "untrained, TP 2 x FSDP 2": [BATCH, "4", *TP2, *UNTRAINED]}
     results = run_cases(4, [[*MODEL, *case] for case in cases.values()], STEPS)
     reference = one_process([*MODEL, BATCH, "8"], STEPS)

@@ -57,7 +57,7 @@ def _file_index(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
 
 def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
             family: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, bos_id: int | None = None,
-            eos_id: int | None = None, carry_from: str | None = None) -> None:
+            eos_id: int | None = None, carry_from: str | None = None, tokenizer_from: str | None = None) -> None:
     """Write `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` + `config.json` (and, for a
     language model given the tokenizer's `bos_id`/`eos_id`, `generation_config.json`) to `out_dir`; a diffusers
     model's files under its own names (the adapter's `weights_name`).
@@ -66,7 +66,8 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
     under pipeline parallelism, this rank's stages. `family`: by default the one `args` belong to. Every rank
     of a job calls it: each writes its shards under out_dir/sharded, then rank 0 merges them into full tensors
     and removes the shards. `carry_from`: the Hugging Face folder the run started from, whose tensors the family
-    keeps out of the model (Qwen 3.5's MTP head) the export writes back unchanged.
+    keeps out of the model (Qwen 3.5's MTP head) the export writes back unchanged. `tokenizer_from`: the run's
+    tokenizer folder (model.hf_assets_path), whose tokenizer files a language model's export carries.
     """
     # Plain tensors: safetensors knows no training wrapper (float8, MX).
     is_model = isinstance(model_state, nn.Module)
@@ -126,7 +127,22 @@ def save_hf(model_state: dict | nn.Module, args, out_dir: str | os.PathLike, dty
             _index(out, {name: _integers(rank) for name, rank in owners.items()})
         if carry_from:
             _carry(hf, Path(carry_from), out, dtype)
+        if tokenizer_from and not diffusers:
+            _copy_tokenizer(Path(tokenizer_from), out)
     _barrier()
+
+
+# transformers' tokenizer files (fast and slow tokenizers, their special tokens and chat templates)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The tokenizer files in `source`, so that the export loads with the tokenizer it was trained with wherever a
+    Hugging Face folder does (transformers' AutoTokenizer, lm-eval's `hf` model, tessera.eval)."""
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
 
 
 def _integers(rank: int) -> str:

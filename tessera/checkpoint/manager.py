@@ -238,7 +238,8 @@ class Checkpointer:
             state = model_state(tr.model)
             save_hf(merged_state(state, lora) if lora.rank else state, self.model_args, path, dtype=dtype,
                     family=self.cfg.model.name, bos_id=tr.bos_id, eos_id=tr.eos_id,
-                    carry_from=self.c.initial_load_path if self.c.initial_load_in_hf else None)
+                    carry_from=self.c.initial_load_path if self.c.initial_load_in_hf else None,
+                    tokenizer_from=self.cfg.model.hf_assets_path or None)
             kind = "hf"
         else:
             writer = HashingWriter(path)

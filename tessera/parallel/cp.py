@@ -333,19 +333,25 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, 
         module.sdpa = ContextParallelAttention(group, rank, cp, module.sdpa, documents)
 
 
-class ContextParallelLookahead(nn.Module):
+class SplitLookahead(nn.Module):
     """A model's lookahead (tessera.models.common.side_loss.Lookahead: the tokens after each position, for
-    multi-token prediction) under CP: this rank's chunks of the whole sequence's shift, which reads across chunk
-    boundaries. Ids, positions, documents and labels are small: each is gathered whole, shifted, and cut again.
-    Trained labels are counted over the CP group, per rank (gradients are averaged over it)."""
+    multi-token prediction) on ranks that hold different tokens of a micro-batch: data-parallel ranks, CP's chunks.
+    Trained labels are counted over all of them (`counted`, `ranks` of them), per rank (gradients are averaged over
+    them), so that a loss divided by the count is the whole micro-batch's mean, as one process computes it, also
+    where the ranks' labels are trained unevenly (packed documents: a document's first targets are not). Under CP
+    (`cp`, its mesh) this rank's chunks of the whole sequence's shift, which reads across chunk boundaries: ids,
+    positions, documents and labels are small, each gathered whole, shifted, and cut again."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, plain: nn.Module):
+    def __init__(self, plain: nn.Module, counted: dist.ProcessGroup, ranks: int, cp: DeviceMesh | None = None):
         super().__init__()
-        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+        self.counted, self.ranks = counted, ranks
+        self.group, self.cp_rank, self.cp = (cp.get_group(), cp.get_local_rank(), cp.size()) if cp else (None, 0, 1)
         self.shift, self.count = type(plain).shift, type(plain).count
 
     @torch.compiler.disable
     def ahead(self, x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
+        if self.cp == 1:
+            return self.shift(x, k, fill, end)
         parts = [torch.empty_like(x) for _ in range(self.cp)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         whole = _in_order(parts, self.cp, dim=-1)
@@ -354,5 +360,5 @@ class ContextParallelLookahead(nn.Module):
     @torch.compiler.disable
     def trained(self, labels: torch.Tensor) -> torch.Tensor:
         total = self.count(labels)
-        dist.all_reduce(total, group=self.group)
-        return total.clamp(min=1) / self.cp
+        dist.all_reduce(total, group=self.counted)
+        return total.clamp(min=1) / self.ranks

@@ -5,6 +5,7 @@ blocks the residual stream stays sharded along the sequence (Shard(1)), so norms
 """
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -64,11 +65,23 @@ class Replicated(ParallelStyle):
                          for a in args)
 
         def output(_, out, __):
-            if isinstance(out, tuple):  # several outputs (DSA's indexer: logits, keys), each local
-                return tuple(o.to_local() for o in out)
+            if not isinstance(out, DTensor):  # several outputs, a record of them (an indexer's Scoring), each local
+                return _to_local(out)
             return _SumTail.apply(out.to_local(), columns, group) if columns else out.to_local()
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=output)
+
+
+def _to_local(out):
+    """`out` with each DTensor in it (in a tuple, or a dataclass's field) its local tensor."""
+    if isinstance(out, DTensor):
+        return out.to_local()
+    if isinstance(out, tuple):
+        return tuple(_to_local(o) for o in out)
+    if dataclasses.is_dataclass(out):
+        return dataclasses.replace(out, **{f.name: _to_local(getattr(out, f.name)) for f in dataclasses.fields(out)
+                                           if isinstance(getattr(out, f.name), DTensor)})
+    return out
 
 
 class SummedOverRanks(ParallelStyle):

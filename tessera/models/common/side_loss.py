@@ -50,8 +50,9 @@ class SideLoss(nn.Module):
 
 class Lookahead(nn.Module):
     """What a side loss reads of the tokens after each position (multi-token prediction's inputs and targets),
-    of sequences [..., seq] along their last dim. Context parallelism swaps it for one that reads across its
-    ranks' chunks (tessera.parallel.cp.ContextParallelLookahead): a model sees only its own."""
+    of sequences [..., seq] along their last dim. Data and context parallelism swap it for one that counts trained
+    labels over their ranks and reads across CP's chunks (tessera.parallel.cp.SplitLookahead): a model sees only
+    its own."""
 
     @staticmethod
     def shift(x: torch.Tensor, k: int, fill: int | None = None, end: int = 0) -> torch.Tensor:
@@ -71,5 +72,6 @@ class Lookahead(nn.Module):
 
     def trained(self, labels: torch.Tensor) -> torch.Tensor:
         """The divisor of a rank's summed loss over `labels` that makes it (averaged over the ranks that hold
-        parts of the sequence, as gradients are) the whole sequence's mean: its trained labels (at least 1)."""
+        parts of the micro-batch, as gradients are) the whole micro-batch's mean: its trained labels (at least 1);
+        a layout's lookahead counts them over those ranks."""
         return self.count(labels).clamp(min=1)

@@ -69,7 +69,8 @@ class MTPDecoder:
         # Depth k at slot i predicts token i+k+1, the target of label i+k: its inputs hold the last target but
         # one, so each depth's slots from seq - k - 1 on (whose targets are the window's next token, or past it)
         # are left out of its loss. Given labels, a depth trains where label i+k does (not on prompts, nor where a
-        # document starts), its loss the mean over those targets (0 when none); without labels, on the tokens.
+        # document starts), its loss the mean over those targets of the micro-batch, whichever ranks hold them (0
+        # when none); without labels, on the tokens.
         # The targets are read ahead on the whole sequence, so that they cross CP ranks' chunks.
         # Under pipelining `embeddings` are the first stage's, carried to the last (see carries_embeddings).
         depths = enumerate(self.mtp_hidden(state, tokens, documents, positions, embeddings), 1)

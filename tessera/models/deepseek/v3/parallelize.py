@@ -6,8 +6,9 @@ The MTP depths (the last stage's) are FSDP units of their own. Each runs on the 
 token i + k), so TP and CP split it like the trunk: its block takes the blocks' plan; its norms and its
 projection of [embedding; hidden] run on each rank's sequence slice with replicated weights (sequence parallel,
 their gradients summed over TP). Under CP the lookahead that shifts each depth's tokens, positions, documents
-and targets reads across the ranks' chunks. Under PP the depths sit on
-the last stage, fed the first stage's embeddings through the stages (model.carries_embeddings)."""
+and targets reads across the ranks' chunks; under DP and CP it counts a depth's trained targets over their ranks.
+Under PP the depths sit on the last stage, fed the first stage's embeddings through the stages
+(model.carries_embeddings)."""
 
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
@@ -15,10 +16,9 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from tessera.distributed import World
 from tessera.models.common.plan import parallelize_decoder
 from tessera.models.deepseek.mla import MLA
-from tessera.models.deepseek.plan import mla_tp_plan
+from tessera.models.deepseek.plan import mla_tp_plan, split_lookahead
 from tessera.models.deepseek.v3 import FAMILY
 from tessera.models.deepseek.v3.options import DeepSeekV3Config
-from tessera.parallel.cp import ContextParallelLookahead
 
 
 def mtp_depth_tp_plan() -> dict:
@@ -36,8 +36,5 @@ def parallelize(model: nn.Module, world: World, cfg: DeepSeekV3Config) -> nn.Mod
     model = parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained,
                                 more_blocks={str(k): d.block for k, d in enumerate(depths)},
                                 more_tp=tuple((d, mtp_depth_tp_plan()) for d in depths))
-    if depths and world.dims.cp > 1:
-        mesh = world.mesh["cp"]
-        model.lookahead = ContextParallelLookahead(mesh.get_group(), mesh.get_local_rank(), mesh.size(),
-                                                   model.lookahead)
+    split_lookahead(model, world)
     return model

@@ -13,12 +13,13 @@ The MTP depths (the last stage's) are FSDP units of their own, each on the whole
 blocks' plan; its norms, projections and collapse of the streams run on each rank's sequence slice with
 replicated weights (sequence parallel), the projections handing the block a plain slice as the embedding hands
 the first block. Under PP they sit on the last stage, fed the first stage's embeddings through the stages
-(tessera/models/deepseek/mtp.py)."""
+(tessera/models/deepseek/mtp.py). Under DP a depth's trained targets are counted over the data ranks."""
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from tessera.models.common.plan import NORMS, parallelize_decoder
+from tessera.models.deepseek.plan import split_lookahead
 from tessera.models.deepseek.v4 import FAMILY
 from tessera.parallel.tp import Replicated, ShardedByHead, SummedOverRanks
 
@@ -56,7 +57,9 @@ def parallelize(model, world, cfg):
     last = model.norm is not None and world.dims.tp > 1
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     more_tp = ((model, {"hc_head": SequenceParallel(use_local_output=True)}),) if last else ()
-    return parallelize_decoder(model, world, cfg, block_tp_plan(model.args.head_dim), FAMILY.high_precision, depths,
-                               not cfg.deepseek_v4.mtp_loss_weight,
-                               more_blocks={str(k): d.block for k, d in enumerate(depths)},
-                               more_tp=(*more_tp, *((d, mtp_depth_tp_plan()) for d in depths)))
+    model = parallelize_decoder(model, world, cfg, block_tp_plan(model.args.head_dim), FAMILY.high_precision, depths,
+                                not cfg.deepseek_v4.mtp_loss_weight,
+                                more_blocks={str(k): d.block for k, d in enumerate(depths)},
+                                more_tp=(*more_tp, *((d, mtp_depth_tp_plan()) for d in depths)))
+    split_lookahead(model, world)
+    return model
