@@ -92,7 +92,8 @@ def train_step(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor, float, torch.Te
     tr.optimizer.zero_grad()
     for side in tr.step_parts.side_losses:
         side.reset()
-        side.steps = tr.progress.step
+    if tr.begin_step is not None:
+        tr.begin_step(tr.progress.step)
     if tr.qk_clip is not None:
         tr.qk_clip.reset()
     loss_total, times = torch.zeros((), device=tr.world.device), []

@@ -76,6 +76,8 @@ class Trainer:
     replicas: object | None = None  # fault_tolerance.enable: this replica group (tessera.ft.replicas.ReplicaGroup)
     qk_clip: QKClip | None = None  # optimizer.qk_clip_threshold: MuonClip's QK-clip after each optimizer step
     trainable: StepTrainable | None = None  # a family that trains only some parameters in some steps (trains_only)
+    begin_step: Callable[[int], None] | None = None  # (step from 0): what a step sets on the model before its
+    # forwards (ModelSpec.begin_step, on each pipeline part)
 
 
 def run_view(tr: Trainer) -> RunView:
@@ -334,5 +336,18 @@ def build_trainer(run: ResolvedRun, world: World) -> Trainer:
                  progress=progress, evaluate=evaluate,
                  live_bytes=LiveBytes() if cfg.metrics.live_memory else None, replicas=replicas,
                  qk_clip=build_qk_clip(cfg, world, fam, args, model, pipeline),
-                 trainable=StepTrainable(model, fam.trains_only, cfg) if fam.trains_only else None)
+                 trainable=StepTrainable(model, fam.trains_only, cfg) if fam.trains_only else None,
+                 begin_step=build_begin_step(cfg, spec, model, pipeline))
     return tr
+
+
+def build_begin_step(cfg: JobConfig, spec, model: nn.Module, pipeline: Pipeline | None):
+    """The family's ModelSpec.begin_step on the model, or on each of this rank's pipeline parts."""
+    if spec.begin_step is None:
+        return None
+    parts = pipeline.parts if pipeline is not None else [model]
+
+    def begin_step(step: int) -> None:
+        for part in parts:
+            spec.begin_step(part, cfg, step)
+    return begin_step

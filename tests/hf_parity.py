@@ -74,10 +74,10 @@ def assert_refused(name: str, argv: list[str], world: int, line: str) -> None:
         validate(parse_args(["--model.name", name, "--model.flavor", "debugmodel", *argv]), world)
 
 
-def assert_steps_do_not_recompile(model, loss, steps: int, strict: set[int]) -> None:
+def assert_steps_do_not_recompile(model, loss, steps: int, strict: set[int], begin_step=None) -> None:
     """Each block of `model` compiled by dynamo (the eager backend: what recompiles is dynamo's, not inductor's), then
-    `steps` backwards of `loss(model)`, its side losses set each step as the trainer sets them: the steps in
-    `strict` (from 0) must not recompile."""
+    `steps` backwards of `loss(model)`, its side losses weighted as the trainer weighs them and `begin_step(model,
+    step)` before each, as the trainer's: the steps in `strict` (from 0) must not recompile."""
     from tessera.models.common.side_loss import SideLoss
 
     torch._dynamo.reset()
@@ -87,8 +87,10 @@ def assert_steps_do_not_recompile(model, loss, steps: int, strict: set[int]) -> 
     try:
         for step in range(steps):
             for side in sides:
-                side.steps, side.weight = step, 1.0
+                side.weight = 1.0
                 side.reset()
+            if begin_step is not None:
+                begin_step(model, step)
             torch.compiler.set_stance("fail_on_recompile" if step in strict else "default")
             loss(model).backward()
     finally:

@@ -92,8 +92,7 @@ def test_the_indexer_loss_trains_the_indexer_alone_and_the_warmup_attends_every_
         elif grad is not None:
             torch.testing.assert_close(grad, grads[0.0][name], rtol=0, atol=0, msg=name)
     warm, dense = _model(), _model(topk=32)  # during the warm-up every key, as a top-k of all of them
-    for attention in (m for m in warm.modules() if getattr(m, "indexer", None) is not None):
-        attention.dense_warmup_steps = 1
+    warm.attend_every_key(True)
     with torch.no_grad():
         torch.testing.assert_close(warm(tokens), dense(tokens))
         assert not torch.allclose(_model()(tokens), dense(tokens))  # after it, sparse
@@ -142,7 +141,7 @@ def test_sparse_attention_and_the_indexer_loss_equal_the_materialized_reference(
                                                                               True)[..., :40]
     else:
         layer.indexer_loss.weight, layer.indexer_loss.values = 1.0, []
-        layer.dense_warmup_steps = 1 if "warmup" in case else 0
+        model.attend_every_key("warmup" in case)
     out = layer._sparse(x, q_latent, rope, q, k, v, None, docs)
     want, kl, _ = dsa_reference(layer, x, q_latent, rope, q, k, v, docs, "warmup" in case, picked)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -306,7 +305,6 @@ def test_compiled_sparse_blocks_compile_once_per_kind_not_per_block_or_step():
     kind of block: the dense first, the MoE ones), a second warm-up step recompiles nothing; the first sparse step
     recompiles once (the warm-up's end), the next nothing."""
     model = _model()
-    for attention in (m for m in model.modules() if getattr(m, "indexer", None) is not None):
-        attention.dense_warmup_steps = 2
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
-    assert_steps_do_not_recompile(model, lambda m: m(tokens).float().logsumexp(-1).mean(), 4, {1, 3})
+    assert_steps_do_not_recompile(model, lambda m: m(tokens).float().logsumexp(-1).mean(), 4, {1, 3},
+                                  lambda m, step: m.attend_every_key(step < 2))

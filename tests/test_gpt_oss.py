@@ -196,6 +196,7 @@ def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
         tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
     config = (tmp_path / "in" / "config.json")
-    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "quantization_config"}))
+    unquantized = {k: v for k, v in json.loads(config.read_text()).items() if k != "quantization_config"}
+    config.write_text(json.dumps(unquantized))
     with pytest.raises(HFError, match="holds MXFP4 blocks .* no mxfp4 quantization_config"):
         load_hf(ours, tmp_path / "in")

@@ -126,6 +126,8 @@ class ModelSpec:
     data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch,
     # rewind, state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen
     # encoders), for a family that brings its own data (Flux: image-caption pairs); None: tokens
+    begin_step: Callable | None = None  # (model or a pipeline stage's part, cfg, step from 0): what a training step
+    # sets on the model before its forwards (DeepSeek V3.2's dense warm-up switch); None: nothing
     convert: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)  # {mode: ("file" or "folder" it
     # writes, (src Path, dst Path) -> None)}: conversions of the family's own formats, run by `python -m
     # tessera.convert MODE SRC DST --model.name FAMILY` (Flux: Black Forest Labs' single files both ways)

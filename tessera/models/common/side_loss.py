@@ -28,7 +28,6 @@ class SideLoss(nn.Module):
         super().__init__()
         self.metric, self.weight_option = metric, weight_option
         self.weight, self.share = 0.0, 1.0
-        self.steps = 0  # the optimizer steps done before this forward (the trainer sets it each step)
         self.values: list[torch.Tensor] = []  # its unweighted values since the last reset (summed when read: an
         # add here would run once more when activation checkpointing recomputes a block, which selective AC refuses)
 

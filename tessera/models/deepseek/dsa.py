@@ -68,15 +68,16 @@ class Indexer(LightningIndexer):
 
 
 class Selections:
-    """The keys each indexed block picked in the current forward ([batch, queries, top-k] indices), by block, for
-    the blocks after it that share them (GLM-5's "shared" blocks); one per model, its blocks' attention all holding
-    it. Kept until the next forward replaces them, so a block recomputed in backward (activation checkpointing)
-    reads what its forward read."""
+    """What a model's sparse blocks share, one per model, its blocks' attention all holding it: the keys each indexed
+    block picked in the current forward ([batch, queries, top-k] indices), by block, for the blocks after it that
+    share them (GLM-5's "shared" blocks), kept until the next forward replaces them, so a block recomputed in
+    backward (activation checkpointing) reads what its forward read; and the dense warm-up's switch, which the
+    training step sets (DeepSeekV3.attend_every_key): while on, training forwards attend every key."""
 
     def __init__(self, shared: bool):
         self.shared = shared  # some blocks share an earlier one's selection: the indexed blocks keep theirs here
         self.picks: dict[int, torch.Tensor] = {}
-        self.steps = 0  # the optimizer steps done (the indexed blocks' side losses know it; the others read it here)
+        self.dense = False
 
     def before(self, layer_id: int) -> torch.Tensor:
         earlier = [i for i in self.picks if i < layer_id]

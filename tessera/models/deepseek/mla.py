@@ -52,7 +52,6 @@ class MLA(nn.Module):
                 self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
             self.selections = dsa.Selections(bool(a.index_shared))  # the model shares one among its blocks
             self.head_sum = sparse.HeadSum()
-            self.dense_warmup_steps = 0  # the options set it: steps attending every key, the indexer fitted to them
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
@@ -107,13 +106,6 @@ class MLA(nn.Module):
         k = torch.cat([latent.unsqueeze(2), k_rot], dim=-1).transpose(1, 2)
         return q, k, latent.unsqueeze(1), lambda out: torch.einsum("bhsc,hvc->bhsv", out, w_v)
 
-    @torch.compiler.disable  # the step count changes every step: read in a compiled block, it would recompile it
-    def _dense_now(self) -> bool:  # each step (a graph break, only in runs with a warm-up)
-        """Whether this forward attends every key (the dense warm-up): its indexed blocks tell the others."""
-        if self.indexer is not None:
-            self.selections.steps = self.indexer_loss.steps
-        return self.training and self.selections.steps < self.dense_warmup_steps
-
     def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, cache: "dsa.IndexedCache | None", documents: torch.Tensor | None) -> torch.Tensor:
         """DSA: the queries attend the indexer's top-k keys (every key during the dense warm-up); while training, the
@@ -134,7 +126,7 @@ class MLA(nn.Module):
             picked = self.selections.before(self._layer_id)
         if cache is not None:
             k, v = cache.update(k, v)
-        dense = bool(self.dense_warmup_steps) and self._dense_now()
+        dense = self.training and self.selections.dense
         if dense:
             out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
         else:

@@ -51,11 +51,16 @@ class DeepSeekV3(MTPDecoder, Decoder):
         self.mtp = nn.ModuleDict({str(k): MTPDepth(args, args.n_layers + k) for k in range(args.n_mtp)}) \
             if args.n_mtp else None
         self.mtp_loss = SideLoss("mtp_loss", "deepseek_v3.mtp_loss_weight")
-        selections = dsa.Selections(bool(args.index_shared))  # DSA: what each indexed block picked, for the blocks
-        # that share it
+        self.selections = dsa.Selections(bool(args.index_shared))  # DSA: what each indexed block picked, for the
+        # blocks that share it, and the dense warm-up's switch
         for attention in (m for m in self.modules() if isinstance(m, MLA) and m.sparse):
-            attention.selections = selections
+            attention.selections = self.selections
         self.lookahead = Lookahead()  # the tokens after each position (across CP ranks' chunks)
+
+    def attend_every_key(self, dense: bool) -> None:
+        """DeepSeek V3.2's dense warm-up switch, set by the training step (spec.begin_step): while on, the sparse
+        blocks' training forwards attend every key, and the indexers are fitted over all of them."""
+        self.selections.dense = dense
 
     def plain_forward(self, tokens, cache=None, documents=None, positions=None, labels=None) -> torch.Tensor:
         return Decoder.forward(self, tokens, cache, documents, positions, labels)

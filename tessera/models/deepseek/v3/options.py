@@ -40,10 +40,19 @@ def check(cfg: DeepSeekV3Config, args, dims) -> None:
                          "only, or set it to 0 (the depths stay in the model and its checkpoints, untrained)")
 
 
+def in_dense_warmup(cfg: DeepSeekV3Config, step: int) -> bool:
+    """Whether optimizer step `step` (from 0) is one of the dense warm-up's: what both its switches read."""
+    return step < cfg.deepseek_v3.dense_warmup_steps
+
+
 def trains_only(cfg: DeepSeekV3Config, step: int) -> tuple[str, ...] | None:
     """Family.trains_only: the indexers alone during an indexer-only dense warm-up."""
-    options = cfg.deepseek_v3
-    return ("indexer.",) if options.dense_warmup_trains == "indexer" and step < options.dense_warmup_steps else None
+    return ("indexer.",) if cfg.deepseek_v3.dense_warmup_trains == "indexer" and in_dense_warmup(cfg, step) else None
+
+
+def begin_step(model, cfg: DeepSeekV3Config, step: int) -> None:
+    """ModelSpec.begin_step: the dense warm-up's switch, on in its steps (a pipeline stage takes it too)."""
+    model.attend_every_key(in_dense_warmup(cfg, step))
 
 
 def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:

@@ -15,7 +15,6 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.distributed import World
 from tessera.models.common.plan import parallelize_decoder
-from tessera.models.deepseek.mla import MLA
 from tessera.models.deepseek.plan import mla_tp_plan, split_lookahead
 from tessera.models.deepseek.v3 import FAMILY
 from tessera.models.deepseek.v3.options import DeepSeekV3Config
@@ -29,8 +28,6 @@ def mtp_depth_tp_plan() -> dict:
 
 
 def parallelize(model: nn.Module, world: World, cfg: DeepSeekV3Config) -> nn.Module:
-    for attention in (m for m in model.modules() if isinstance(m, MLA) and m.sparse):
-        attention.dense_warmup_steps = cfg.deepseek_v3.dense_warmup_steps
     depths = tuple(model.mtp.values()) if getattr(model, "mtp", None) is not None else ()
     untrained = not cfg.deepseek_v3.mtp_loss_weight
     model = parallelize_decoder(model, world, cfg, mla_tp_plan(model.args), FAMILY.high_precision, depths, untrained,
