@@ -99,18 +99,15 @@ def test_the_indexer_loss_trains_the_indexer_alone_and_the_warmup_attends_every_
 
 
 def _sparse_inputs(model, block: str, tokens, documents=None):
-    """The inputs block `block`'s sparse attention gets in a forward of `model` (its _sparse's arguments), as leaves
-    that take gradients."""
+    """The inputs block `block`'s sparse attention gets in a forward of `model` (its sparse core's arguments), as
+    leaves that take gradients."""
     layer = model.layers[block].attention
     seen = []
-    sparse = layer._sparse
-    layer._sparse = lambda *a: seen.append(a) or sparse(*a)  # this test's layer only
-    try:
-        with torch.no_grad():
-            model(tokens, documents=documents)
-    finally:
-        del layer._sparse
-    x, q_latent, rope, q, k, v, _, docs = seen[0]
+    hook = layer.sparse_core.register_forward_pre_hook(lambda _, args: seen.append(args))
+    with torch.no_grad():
+        model(tokens, documents=documents)
+    hook.remove()
+    _, x, q_latent, rope, q, k, v, _, docs = seen[0]
     return layer, [t.detach().requires_grad_() for t in (x, q_latent, q, k, v)], rope, docs
 
 
@@ -142,7 +139,7 @@ def test_sparse_attention_and_the_indexer_loss_equal_the_materialized_reference(
     else:
         layer.indexer_loss.weight, layer.indexer_loss.values = 1.0, []
         model.attend_every_key("warmup" in case)
-    out = layer._sparse(x, q_latent, rope, q, k, v, None, docs)
+    out = layer.sparse_core(layer.parts(), x, q_latent, rope, q, k, v, None, docs)
     want, kl, _ = dsa_reference(layer, x, q_latent, rope, q, k, v, docs, "warmup" in case, picked)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     weights = [q, k, v, *(layer.indexer.parameters() if layer.indexer is not None else ())]
@@ -169,9 +166,9 @@ def test_counts_have_the_indexer_and_top_k_attention():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("argv, line", [
-    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree: deepseek_v3 "
-                                                     "v32_debugmodel's sparse attention \\(DSA\\) ranks every "
-                                                     "earlier key"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses"],
+     "parallelism.context_parallel_method: deepseek_v3 v32_debugmodel's sparse attention \\(DSA\\) picks each "
+     "query's keys with an indexer of one head"),
     (["--model.flavor", "glm5_debugmodel", "--parallelism.pipeline_parallel_degree", "2"],
      "parallelism.pipeline_parallel_degree: deepseek_v3 glm5_debugmodel's blocks \\[2\\] attend the keys an earlier "
      "block picked, which may sit on another stage"),

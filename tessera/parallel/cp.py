@@ -20,6 +20,7 @@ rank gets the key heads its query heads read. A linear-attention layer (Gated De
 around its per-head recurrence (UlyssesHeads): each rank runs it along whole sequences of its head group, exactly.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -135,6 +136,42 @@ class ContextParallelAttention(nn.Module):
                                    self.window, self.chunk, self.scale, self.sinks,
                                    None if docs is None else docs[:, :end], self.masks))
         return torch.cat(out, dim=2)
+
+
+class ContextParallelSparse(nn.Module):
+    """DeepSeek V3.2's sparse attention (DSA; GLM-5's) under all-gather CP, in place of the block's sparse core
+    (tessera.models.deepseek.dsa.SparseCore): this rank's queries, its two chunks, select among every earlier key of
+    the whole sequence. What is gathered over the CP group is what is small per token: the attention's keys and
+    values as the block hands them (MLA's latent and RoPE key, one head shared by all query heads, when it attends
+    in the latent), the indexer's one-head keys and the documents; the top-k, the attention over the selected keys
+    (every key in the dense warm-up, each chunk against the keys up to its end) and the indexer's loss then run as on
+    one rank (the core's `attend`), the gradients of the gathered keys going back to their owners."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, core: nn.Module, documents: WholeDocuments):
+        super().__init__()
+        self.group, self.cp_rank, self.cp, self.documents = group, cp_rank, cp, documents
+        self.attend = core.attend  # the steps the replaced core runs after its keys are in hand
+
+    def _whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _in_order(_AllGather.apply(x, self.group), self.cp, dim=dim)
+
+    def forward(self, parts, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("context parallel: decoding with a cache runs without context parallelism")
+        if self.training:
+            x, q_latent = x.detach(), q_latent.detach()
+        size = q.shape[2] // 2  # this rank's two chunks: (first query, end, position of the first)
+        spans = tuple((i * size, (i + 1) * size, c * size) for i, c in enumerate(chunk_ids(self.cp_rank, self.cp)))
+        keys = self._whole(k, 2)
+        values = keys if v is k else self._whole(v, 2)
+        docs = None if documents is None else self.documents(documents)
+        scoring = None
+        if parts.indexer is not None:
+            scoring, _ = parts.indexer(x, q_latent, rope)
+            scoring = dataclasses.replace(scoring, k=self._whole(scoring.k, 1), spans=spans, q_documents=documents,
+                                          k_documents=docs)
+        return self.attend(parts, scoring, q, keys, values, docs, spans, self.training)
 
 
 class BidirectionalContextParallelAttention(nn.Module):
@@ -320,6 +357,9 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, 
     documents = WholeDocuments(group, cp)
     for block in blocks.values():
         module = getattr(block, attention)
+        if method == "allgather" and hasattr(module, "sparse_core"):  # DSA: its keys span the ranks
+            module.sparse_core = ContextParallelSparse(group, rank, cp, module.sparse_core, documents)
+            continue
         if hasattr(module, "rule"):
             wrap = UlyssesHeads if method == "ulysses" else StatePassing
             module.rule = wrap(group, rank, cp, module.rule, documents)

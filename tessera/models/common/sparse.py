@@ -20,8 +20,9 @@ from tessera.models.common import blockwise
 class Scoring:
     """What an indexer scores with, and which keys a query may pick: q [batch, n_q, heads, dim] (RoPE'd), w
     [batch, n_q, heads] (each head's weight, 1 / sqrt(heads) in it), k [batch, n_k, dim] (one key per token, or per
-    compressed entry); query i stands at position q_first + i, key j at first + j * stride, and a query may pick the
-    keys at or before it, of its document (`q_documents` [batch, n_q], `k_documents` [batch, n_k])."""
+    compressed entry); query i stands at position q_first + i (or, with `spans`, the queries are runs of positions:
+    context parallel's two chunks), key j at first + j * stride, and a query may pick the keys at or before it, of its
+    document (`q_documents` [batch, n_q], `k_documents` [batch, n_k])."""
     q: torch.Tensor
     w: torch.Tensor
     k: torch.Tensor
@@ -31,22 +32,36 @@ class Scoring:
     stride: int = 1
     q_documents: torch.Tensor | None = None
     k_documents: torch.Tensor | None = None
+    spans: tuple[tuple[int, int, int], ...] = ()  # (first query, end, position of the first): runs of positions in
+    # order; () : one run from q_first
+
+    def blocks(self, per_query: int):
+        """(i0, i1) of each block of queries, within one run of positions, about SCORES_PER_BLOCK // per_query
+        long."""
+        step = max(1, blockwise.SCORES_PER_BLOCK // max(1, per_query))
+        for a, b, _ in self.spans or ((0, self.q.shape[1], self.q_first),):
+            for i0 in range(a, b, step):
+                yield i0, min(i0 + step, b)
+
+    def position(self, i: int) -> int:
+        """Query i's position."""
+        for a, b, p in self.spans or ((0, self.q.shape[1], self.q_first),):
+            if a <= i < b:
+                return p + i - a
+        raise IndexError(i)
 
     def key_end(self, i1: int) -> int:
-        """The keys [0, end) queries before i1 may pick."""
-        return blockwise.key_range(self.k.shape[1], self.q_first, self.q_first + i1 - 1, self.first, self.stride)[1]
+        """The keys [0, end) query i1 - 1 (the last of a block: its run's latest) may pick."""
+        return blockwise.key_range(self.k.shape[1], 0, self.position(i1 - 1), self.first, self.stride)[1]
 
     def mask(self, i0: int, i1: int, end: int) -> torch.Tensor:
-        """[1 or batch, i1 - i0, end] bool: the keys queries i0..i1 may pick, of [0, end)."""
+        """[1 or batch, i1 - i0, end] bool: the keys queries i0..i1 (of one run) may pick, of [0, end)."""
         device = self.k.device
-        q_pos = torch.arange(self.q_first + i0, self.q_first + i1, device=device)
+        q_pos = torch.arange(self.position(i0), self.position(i0) + i1 - i0, device=device)
         k_pos = self.first + torch.arange(end, device=device) * self.stride
         return blockwise.rule_mask(q_pos, k_pos, 0, 0,
                                    None if self.q_documents is None else self.q_documents[:, i0:i1],
                                    None if self.k_documents is None else self.k_documents[:, :end])
-
-    def query_block(self, per_query: int) -> int:
-        return max(1, min(self.q.shape[1], blockwise.SCORES_PER_BLOCK // max(1, per_query)))
 
     def pre(self, i0: int, i1: int, keys: torch.Tensor) -> torch.Tensor:
         """q . k / sqrt(d) before the relu, fp32: [batch, q, heads, n] against keys [batch, n, dim], or against
@@ -81,9 +96,7 @@ def top_k(scoring: Scoring, topk: int, stable: bool = False) -> torch.Tensor:
     b, n_q, n_k = scoring.q.shape[0], scoring.q.shape[1], scoring.k.shape[1]
     k = min(topk, n_k)
     out = torch.full((b, n_q, k), -1, dtype=torch.long, device=scoring.k.device)
-    block = scoring.query_block(b * n_k)
-    for i0 in range(0, n_q, block):
-        i1 = min(i0 + block, n_q)
+    for i0, i1 in scoring.blocks(b * n_k):
         rows = scoring.logits(i0, i1, scoring.key_end(i1), n_k)
         if stable:
             values, picks = rows.sort(dim=-1, descending=True, stable=True)
@@ -130,9 +143,7 @@ def _kl_and_gradients(scoring: Scoring, target, selected: torch.Tensor | None):
     dq, dk, dw = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, w))
     total = q.new_zeros((), dtype=torch.float32)
     width = selected.shape[-1] if selected is not None else k.shape[1]
-    block = scoring.query_block(b * width * (heads + (dim if selected is not None else 0)))
-    for i0 in range(0, n_q, block):
-        i1 = min(i0 + block, n_q)
+    for i0, i1 in scoring.blocks(b * width * (heads + (dim if selected is not None else 0))):
         wb = w[:, i0:i1].float()
         if selected is not None:
             index = selected[:, i0:i1]

@@ -17,13 +17,16 @@ they attend the keys the previous indexed block picked (`Selections`). The scori
 with DeepSeek V4's CSA indexer (tessera/models/common/sparse.py); the main attention reads the selected keys through
 the attention kernel (CausalSDPA's `selected`). No [queries x keys] tensor is kept."""
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from tessera.models.common.attention import KVCache
 from tessera.models.common.rope import apply_rope
+from tessera.models.common.side_loss import SideLoss
 from tessera.models.common.sparse import LightningIndexer, Scoring
 
 
@@ -36,6 +39,75 @@ def dense_probs(q: torch.Tensor, k: torch.Tensor, scale: float, scoring: Scoring
         mask = scoring.mask(i0, i1, end).unsqueeze(1)
         return head_sum(scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0))
     return target
+
+
+class Parts(NamedTuple):
+    """What a DSA block attends with (MLA's own modules and settings), handed to its sparse core."""
+    indexer: LightningIndexer | None  # None: GLM-5's shared block, which attends an earlier block's picks
+    sdpa: nn.Module  # the attention kernel
+    head_sum: nn.Module
+    loss: SideLoss | None  # the indexer's (with an indexer)
+    selections: "Selections"
+    layer_id: int
+    topk: int
+    scale: float  # the attention's
+
+
+def attend(parts: Parts, scoring: Scoring | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           documents: torch.Tensor | None, spans: tuple[tuple[int, int, int], ...], training: bool) -> torch.Tensor:
+    """The queries (runs of positions: `spans` of (first query, end, position of the first)) attend the indexer's
+    top-k of the keys [0, n_k) (a shared block: the picks of the indexed block before it; during the dense warm-up,
+    every key they see, each run against the keys up to its end); while training, the indexer's KL loss to the
+    attention's distribution is attached (see the module's docstring). `documents` [b, n_k]: the keys'."""
+    if parts.indexer is not None:
+        picked = parts.indexer.top_k(scoring, parts.topk)
+        if parts.selections.shared:  # GLM-5: blocks after this one attend what it picked
+            parts.selections.picks[parts.layer_id] = picked
+    else:
+        picked = parts.selections.before(parts.layer_id)
+    dense = training and parts.selections.dense
+    if dense:
+        out = torch.cat([parts.sdpa(q[:, :, a:b], k[:, :, :p + b - a], v[:, :, :p + b - a],
+                                    *(() if documents is None else (documents[:, :p + b - a],)))
+                         for a, b, p in spans], dim=2)
+    else:
+        out, probs = parts.sdpa(q, k, v, documents, selected=picked)
+    if training and scoring is not None and parts.loss.weight:
+        if dense:  # over every key the queries see
+            loss = parts.indexer.kl(scoring, dense_probs(q, k, parts.scale, scoring, parts.head_sum))
+        else:
+            loss = parts.indexer.kl(scoring, parts.head_sum(probs, summed=True), picked)
+        out = parts.loss.attach(out, loss)
+    return out
+
+
+class SparseCore(nn.Module):
+    """DSA on this rank's whole sequence: the indexer's scoring of the queries over the keys, the top-k, the
+    attention over them (every key during the dense warm-up) and the indexer's loss (`attend`). Parameterless (its
+    block's modules come in `parts`), so context parallelism swaps it for one whose keys span the ranks
+    (tessera.parallel.cp.ContextParallelSparse), which takes its `attend`."""
+
+    def forward(self, parts: Parts, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, cache: "IndexedCache | None",
+                documents: torch.Tensor | None) -> torch.Tensor:
+        """The block's inputs `x` and query bottleneck `q_latent` (the indexer's, detached while training), its
+        attention's q [b, heads, s, d], k, v (of the new positions: `cache` holds the earlier ones), `documents`
+        [b, s] -> the attention's output [b, heads, s, dv]."""
+        if self.training:
+            x, q_latent = x.detach(), q_latent.detach()
+        scoring = None
+        if parts.indexer is not None:
+            scoring, keys = parts.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
+            if cache is not None:
+                cache.update_index(keys)
+            if documents is not None:
+                scoring = dataclasses.replace(scoring, q_documents=documents[:, -q.shape[2]:], k_documents=documents)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        return self.attend(parts, scoring, q, k, v, documents, ((0, q.shape[2], k.shape[2] - q.shape[2]),),
+                           self.training)
+
+    attend = staticmethod(attend)  # the steps after the keys are in hand (its CP swap runs them too)
 
 
 class Indexer(LightningIndexer):

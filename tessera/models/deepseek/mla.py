@@ -4,7 +4,6 @@ expanded per head from one normed latent, and RoPE on a slice of each head whose
 turned where the args say so: Kimi Linear's NoPE). Values have a head size of their own. With `index_topk`, DeepSeek
 V3.2's sparse attention (tessera/models/deepseek/dsa.py)."""
 
-import dataclasses
 import math
 
 import torch
@@ -52,6 +51,7 @@ class MLA(nn.Module):
                 self.indexer_loss = SideLoss("indexer_loss", "deepseek_v3.indexer_loss_weight")
             self.selections = dsa.Selections(bool(a.index_shared))  # the model shares one among its blocks
             self.head_sum = sparse.HeadSum()
+            self.sparse_core = dsa.SparseCore()  # its steps, which context parallelism swaps
 
     def _rope(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.args.rope_interleave:  # pairs (x0, x1), (x2, x3)... -> halves: the dot products are the same
@@ -80,7 +80,7 @@ class MLA(nn.Module):
             k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1).transpose(1, 2)
             v, expand = v.transpose(1, 2), None
         if self.sparse:
-            out = self._sparse(x, q_latent, positions, q, k, v, cache, documents)
+            out = self.sparse_core(self.parts(), x, q_latent, positions, q, k, v, cache, documents)
             out = out if expand is None else expand(out)
         else:
             if cache is not None:
@@ -106,35 +106,6 @@ class MLA(nn.Module):
         k = torch.cat([latent.unsqueeze(2), k_rot], dim=-1).transpose(1, 2)
         return q, k, latent.unsqueeze(1), lambda out: torch.einsum("bhsc,hvc->bhsv", out, w_v)
 
-    def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, cache: "dsa.IndexedCache | None", documents: torch.Tensor | None) -> torch.Tensor:
-        """DSA: the queries attend the indexer's top-k keys (every key during the dense warm-up); while training, the
-        indexer's KL loss to the attention's distribution is attached (its inputs detached: see dsa.py)."""
-        if self.training:
-            x, q_latent = x.detach(), q_latent.detach()
-        scoring = None
-        if self.indexer is not None:
-            scoring, keys = self.indexer(x, q_latent, rope, cache.past_index() if cache is not None else None)
-            if cache is not None:
-                cache.update_index(keys)
-            if documents is not None:
-                scoring = dataclasses.replace(scoring, q_documents=documents[:, -q.shape[2]:], k_documents=documents)
-            picked = self.indexer.top_k(scoring, self.args.index_topk)
-            if self.selections.shared:  # GLM-5: blocks after this one attend what it picked
-                self.selections.picks[self._layer_id] = picked
-        else:
-            picked = self.selections.before(self._layer_id)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        dense = self.training and self.selections.dense
-        if dense:
-            out = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents)
-        else:
-            out, probs = self.sdpa(q, k, v, documents, selected=picked)
-        if self.training and scoring is not None and self.indexer_loss.weight:
-            if dense:  # over every key the queries see
-                loss = self.indexer.kl(scoring, dsa.dense_probs(q, k, self.sdpa.scale, scoring, self.head_sum))
-            else:
-                loss = self.indexer.kl(scoring, self.head_sum(probs, summed=True), picked)
-            out = self.indexer_loss.attach(out, loss)
-        return out
+    def parts(self) -> "dsa.Parts":
+        return dsa.Parts(self.indexer, self.sdpa, self.head_sum, getattr(self, "indexer_loss", None), self.selections,
+                         self._layer_id, self.args.index_topk, self.sdpa.scale)

@@ -73,7 +73,7 @@ def check_sparse(cfg: DeepSeekV3Config, args, dims) -> None:
     if args.index_shared and dims.pp > 1:
         raise ValueError(f"parallelism.pipeline_parallel_degree: {label}'s blocks {args.index_shared} attend the keys "
                          f"an earlier block picked, which may sit on another stage; not yet under PP")
-    if dims.cp > 1:
-        raise ValueError(f"parallelism.context_parallel_degree: {label}'s sparse attention (DSA) ranks every earlier "
-                         f"key for each query, and context parallelism splits the keys over ranks; not yet under CP "
-                         f"(use FSDP, TP, EP and PP)")
+    if dims.cp > 1 and cfg.parallelism.context_parallel_method == "ulysses":
+        raise ValueError(f"parallelism.context_parallel_method: {label}'s sparse attention (DSA) picks each query's "
+                         f"keys with an indexer of one head, which Ulysses' head split cannot share out; use "
+                         f"\"allgather\" (each rank gathers the keys' latent and the indexer's keys)")
