@@ -63,7 +63,8 @@ class QKClip:
                 return
             q, k, _, *rest = args
             documents = rest[0] if rest else kwargs.get("documents")
-            found = kernel.max_logits(q, k, documents, kwargs.get("entries"), kwargs.get("selected"))
+            found = kernel.max_logits(q, k, documents, kwargs.get("entries"), kwargs.get("selected"),
+                                      kwargs.get("k_first", 0))
             held = self.seen.get(index)
             self.seen[index] = found if held is None else torch.maximum(held, found)
         return record

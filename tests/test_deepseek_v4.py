@@ -222,8 +222,12 @@ def test_cached_decoding_equals_the_uncached_path():
 
 @pytest.mark.fast
 @pytest.mark.parametrize(("argv", "world", "line"), [
-    (["--parallelism.context_parallel_degree", "2"], 2,
-     "parallelism.context_parallel_degree: deepseek_v4 debugmodel's compressed entries span windows"),
+    (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "48"], 4,
+     "parallelism.context_parallel_degree: all-gather CP 4 cuts each sequence into 8 chunks of 6 tokens, and "
+     "deepseek_v4 debugmodel's chunks must hold its window (8 tokens) and whole windows of its compression rates "
+     "[4, 8]; set training.seq_len to a multiple of 64 of at least 64, or lower the CP degree"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses"], 2,
+     "parallelism.context_parallel_method: deepseek_v4 debugmodel's one key/value head serves every query head"),
     (["--parallelism.tensor_parallel_degree", "4"], 4,
      "parallelism.tensor_parallel_degree: 4 does not divide the output projection's groups (2)"),
     (["--lora.rank", "4", "--lora.target_modules", "wq_b,wo_a"], 1,

@@ -82,9 +82,10 @@ def _fused_kl(scoring, target, selected=None) -> torch.Tensor:
 
 
 def _flex_like(q, k, v, window=0, chunk=0, scale=None, sinks=None, documents=None, masks=None, entries=None,
-               selected=None):
+               selected=None, k_first=0):
     chosen = selected if selected is not None else None if entries is None else entries.selected
-    if entries is None and selected is None and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
+    plain = entries is None and selected is None and not k_first
+    if plain and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     out = _Fused.apply(q, k, v, *(() if entries is None else (entries.kv,)))
     return out if chosen is None else (out, q.new_empty(q.shape[0], q.shape[2], chosen.shape[-1]))

@@ -174,6 +174,67 @@ class ContextParallelSparse(nn.Module):
         return self.attend(parts, scoring, q, keys, values, docs, spans, self.training)
 
 
+class ContextParallelCompressed(nn.Module):
+    """DeepSeek V4's attention under all-gather CP, in place of its block's core (its CompressedCore): this rank's
+    two chunks of queries each read the window's keys over their chunk and the window - 1 before it (the end of the
+    chunk before, gathered), the compressed entries of the whole sequence (each rank compresses its chunks' windows,
+    CSA's overlap reading the last window of the chunk before; the entries gathered) and, in CSA blocks, the
+    indexer's top-k of them (its entry keys made and gathered alike); then the core's `attend` runs over the two
+    runs of positions. Chunks hold whole windows of the compression rate and at least the attention's window
+    (checked before launch)."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, core: nn.Module, documents: WholeDocuments):
+        super().__init__()
+        self.group, self.cp_rank, self.cp, self.documents = group, cp_rank, cp, documents
+        self.attend = core.attend  # the steps the replaced core runs once its keys and entries are in hand
+
+    def forward(self, parts, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                rope: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        half, chunks = q.shape[2] // 2, chunk_ids(self.cp_rank, self.cp)
+        docs = None if documents is None else self.documents(documents)  # the whole sequence's
+        back = parts.sdpa.window - 1
+        tails = _AllGather.apply(torch.stack([kv[:, :, (i + 1) * half - back:(i + 1) * half] for i in (0, 1)]),
+                                 self.group) if back > 0 else None  # [CP, 2, b, 1, back, d]
+        runs = []
+        for i, c in enumerate(chunks):  # (first query, end, first key's position, keys, their documents)
+            keys, first = kv[:, :, i * half:(i + 1) * half], c * half
+            if c and tails is not None:
+                keys, first = torch.cat([tails[_owner(c - 1, self.cp)], keys], dim=2), first - back
+            runs.append((i * half, (i + 1) * half, first, keys,
+                         None if docs is None else docs[:, first:(c + 1) * half]))
+        entries = entry_docs = scoring = None
+        if parts.compressor is not None:
+            entries = self._entries(parts.compressor, x, rope, docs)
+            entry_docs = None if docs is None else docs[:, :entries.shape[1] * parts.rate:parts.rate]
+        if parts.indexer is not None:  # its inputs detached: its only signal is its own loss
+            x, q_latent = x.detach(), q_latent.detach()
+            keys = self._entries(parts.indexer.compressor, x, rope, docs)
+            spans = tuple((i * half, (i + 1) * half, c * half) for i, c in enumerate(chunks))
+            scoring = dataclasses.replace(parts.indexer(x, q_latent, rope, documents, keys, entry_docs), spans=spans)
+        return self.attend(parts, q, runs, entries, entry_docs, scoring, self.training)
+
+    def _entries(self, compressor: nn.Module, x: torch.Tensor, rope: torch.Tensor,
+                 docs: torch.Tensor | None) -> torch.Tensor:
+        """The whole sequence's entries [b, n, d]: each of this rank's chunks compressed here, then gathered in
+        order. CSA's overlap reads the window before a chunk's first: that window's tokens (the end of the chunk
+        before, gathered) lead the chunk into the compressor, and the entry they make is dropped (the RoPE rows
+        they take are the chunk's: only that entry reads them)."""
+        half, rate, chunks = x.shape[1] // 2, compressor.rate, chunk_ids(self.cp_rank, self.cp)
+        halo = None  # the last window of each chunk [CP, 2, b, rate, dim]
+        if compressor.overlap:
+            halo = _AllGather.apply(torch.stack([x[:, (i + 1) * half - rate:(i + 1) * half] for i in (0, 1)]),
+                                    self.group)
+        local = []
+        for i, c in enumerate(chunks):
+            xs, rows = x[:, i * half:(i + 1) * half], rope[:, i * half:(i + 1) * half]
+            start = c * half - (rate if halo is not None and c else 0)
+            if start < c * half:
+                xs, rows = torch.cat([halo[_owner(c - 1, self.cp)], xs], dim=1), torch.cat([rows[:, :rate], rows], 1)
+            entries = compressor(xs, rows, None if docs is None else docs[:, start:(c + 1) * half])
+            local.append(entries[:, 1:] if start < c * half else entries)
+        return _in_order(_AllGather.apply(torch.cat(local, dim=1), self.group), self.cp, dim=1)
+
+
 class BidirectionalContextParallelAttention(nn.Module):
     """For a kernel with `bidirectional = True` (no mask: a diffusion transformer's joint attention): this rank's
     queries against every rank's keys and values. Without a mask the keys' order is moot, so they are taken as
@@ -359,6 +420,9 @@ def apply_cp(blocks: dict[str, nn.Module], attention: str, cp_mesh: DeviceMesh, 
         module = getattr(block, attention)
         if method == "allgather" and hasattr(module, "sparse_core"):  # DSA: its keys span the ranks
             module.sparse_core = ContextParallelSparse(group, rank, cp, module.sparse_core, documents)
+            continue
+        if method == "allgather" and hasattr(module, "compressed_core"):  # DeepSeek V4: windows, entries
+            module.compressed_core = ContextParallelCompressed(group, rank, cp, module.compressed_core, documents)
             continue
         if hasattr(module, "rule"):
             wrap = UlyssesHeads if method == "ulysses" else StatePassing

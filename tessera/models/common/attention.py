@@ -50,40 +50,43 @@ class Entries:
 
 def key_sources(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
                 documents: torch.Tensor | None = None, entries: Entries | None = None,
-                selected: torch.Tensor | None = None) -> tuple[list[blockwise.Keys], int, torch.Tensor | None]:
+                selected: torch.Tensor | None = None,
+                k_first: int = 0) -> tuple[list[blockwise.Keys], int, torch.Tensor | None]:
     """What `attend`'s arguments ask, as the blockwise kernel's key sources: (sources, the first query's position,
-    the queries' documents). Queries are the last n_q of the n_k positions; `selected` [batch, n_q, top-k]: the keys
-    each reads (DSA's top-k), in place of the mask."""
+    the queries' documents). Queries are the last n_q of the n_k positions, key 0 at position `k_first`;
+    `selected` [batch, n_q, top-k]: the keys each reads (DSA's top-k), in place of the mask."""
     n_q, n_k = q.shape[2], k.shape[2]
     if documents is not None and chunk:
         documents, chunk = document_chunks(documents, chunk), 0
-    sources = [blockwise.Keys(k, v, window=window, chunk=chunk, documents=documents, selected=selected)]
+    sources = [blockwise.Keys(k, v, first=k_first, window=window, chunk=chunk, documents=documents,
+                              selected=selected)]
     if entries is not None:
         kv = entries.kv.unsqueeze(1)
         sources.append(blockwise.Keys(kv, kv, first=entries.rate - 1, stride=entries.rate,
                                       documents=entries.documents, selected=entries.selected))
-    return sources, n_k - n_q, None if documents is None else documents[:, -n_q:]
+    return sources, k_first + n_k - n_q, None if documents is None else documents[:, -n_q:]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0,
            scale: float | None = None, sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None,
            masks: "DocumentMasks | None" = None, entries: Entries | None = None,
-           selected: torch.Tensor | None = None):
+           selected: torch.Tensor | None = None, k_first: int = 0):
     """Queries at the last n_q of the n_k positions attend the keys `allowed` lets them see, only those of their
     own document (`documents` [batch, n_k]: each position's document number; chunks then count from each
     document's start), with `sinks`; or, `selected` given, the keys it names; and `entries` (see Entries). Plain
     causal attention over whole sequences (Ulysses context parallel's) is the fused kernel's; the narrower masks
     FlexAttention's on CUDA; a decoding step (one query), heads wider than 128 (fp32 MLA's 192 ran out of shared
     memory on an H200), selections, entries and other devices the blockwise kernel's (blockwise.py: no [queries x
-    keys] tensor). -> the output [batch, heads, n_q, dv]; with a selection, (it, the selected keys' probabilities
-    summed over heads [batch, n_q, top-k])."""
+    keys] tensor). `k_first`: the position of key 0 (keys starting mid-sequence beside entries counted from its
+    start: DeepSeek V4 under context parallel). -> the output [batch, heads, n_q, dv]; with a selection, (it, the
+    selected keys' probabilities summed over heads [batch, n_q, top-k])."""
     chosen = selected is not None or (entries is not None and entries.selected is not None)
-    plain = entries is None and selected is None
+    plain = entries is None and selected is None and not k_first
     if plain and q.shape[2] == k.shape[2] and not (window or chunk or sinks is not None or documents is not None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if plain and q.is_cuda and q.shape[2] > 1 and max(q.shape[-1], v.shape[-1]) <= 128:  # wider overflow its tiles
         return flex_attend(q, k, v, window, chunk, scale, sinks, documents, masks)
-    sources, q_first, q_docs = key_sources(q, k, v, window, chunk, documents, entries, selected)
+    sources, q_first, q_docs = key_sources(q, k, v, window, chunk, documents, entries, selected, k_first)
     sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
     out, _, picked = blockwise.attention(q, sources, q_first, scale or q.shape[-1] ** -0.5, sinks, q_docs, chosen)
     return (out, picked) if chosen else out
@@ -206,17 +209,19 @@ class CausalSDPA(nn.Module):
         self.masks = DocumentMasks()  # its own until its model shares one among its kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
-                entries: Entries | None = None, selected: torch.Tensor | None = None):
+                entries: Entries | None = None, selected: torch.Tensor | None = None, k_first: int = 0):
         """q [batch, heads, n_q, dk], k and v [batch, kv heads, n_k, dk or dv]; `documents` [batch, n_k]: each
-        position's document number, queries then see only their own; `entries`, `selected`: see `attend` (a
-        selection returns (out, the selected keys' probabilities summed over this rank's heads))."""
+        position's document number, queries then see only their own; `entries`, `selected`, `k_first`: see
+        `attend` (a selection returns (out, the selected keys' probabilities summed over this rank's heads))."""
         return self.attend(q, k, v, self.window, self.chunk, self.scale, self.sinks, documents, self.masks,
-                           entries=entries, selected=selected)
+                           entries=entries, selected=selected, k_first=k_first)
 
     def max_logits(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None,
-                   entries: Entries | None = None, selected: torch.Tensor | None = None) -> torch.Tensor:
+                   entries: Entries | None = None, selected: torch.Tensor | None = None,
+                   k_first: int = 0) -> torch.Tensor:
         """[heads]: the largest score q k^T * scale of a key each query head sees (QK-clip's), in fp32."""
-        sources, q_first, q_docs = key_sources(q, k, k, self.window, self.chunk, documents, entries, selected)
+        sources, q_first, q_docs = key_sources(q, k, k, self.window, self.chunk, documents, entries, selected,
+                                               k_first)
         return blockwise.max_logits(q, sources, q_first, self.scale or q.shape[-1] ** -0.5, q_docs)
 
     # The function it computes with: a kernel that replaces this one (context parallel) takes it, with the masks

@@ -3,6 +3,7 @@ compressed sparse (CSA) and heavily compressed (HCA) attention blocks, hyper-con
 DeepSeek MoE with hash routing in the first blocks (tessera/models/deepseek/v4/model.py)."""
 
 import logging
+import math
 
 from tessera.models.common.counts import check_decoder_layout
 from tessera.models.contract import Counts, Family
@@ -65,7 +66,7 @@ def counts(args, seq_len: int) -> Counts:
 
 def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     """TP splits the query heads (the key/value head, compressors and indexer stay whole on every rank) and
-    the output projection's groups; CP is refused: see docs/models.md."""
+    the output projection's groups; CP's chunks are checked against the sequence in `check`."""
     check_decoder_layout(args, 1, 1, pp, label)
     for what, size in (("attention heads", args.n_heads), ("output projection's groups", args.o_groups),
                        ("vocab size", args.vocab_size)):
@@ -75,10 +76,23 @@ def check_layout(args, tp: int, cp: int, pp: int, label: str) -> None:
     if tp > 1 and args.tie_embeddings:
         raise ValueError(f"parallelism.tensor_parallel_degree: {label} ties its embeddings, which tensor parallelism "
                          f"does not support yet; use FSDP (data_parallel_shard_degree) instead")
-    if cp > 1:
-        raise ValueError(f"parallelism.context_parallel_degree: {label}'s compressed entries span windows of the "
-                         f"whole sequence and its one key/value head serves every query head, so neither all-gather "
-                         f"nor Ulysses CP splits it yet; use TP, PP and EP for long sequences")
+
+
+def check_cp(cfg, args, cp: int, label: str, rates: list[int]) -> None:
+    """All-gather CP: each chunk reads the window before it from the chunk before and compresses its own windows,
+    so a chunk holds at least the window and whole windows of every rate. Ulysses is refused: its head split
+    cannot share out one key/value head and entries that span the sequence."""
+    if cfg.parallelism.context_parallel_method == "ulysses":
+        raise ValueError(f"parallelism.context_parallel_method: {label}'s one key/value head serves every query head "
+                         f"and its compressed entries span the sequence, which Ulysses' head split cannot share out; "
+                         f"use \"allgather\"")
+    chunk = cfg.training.seq_len // (2 * cp)
+    if chunk < args.window or any(chunk % r for r in rates):
+        whole = math.lcm(*rates) if rates else 1
+        raise ValueError(f"parallelism.context_parallel_degree: all-gather CP {cp} cuts each sequence into {2 * cp} "
+                         f"chunks of {chunk} tokens, and {label}'s chunks must hold its window ({args.window} tokens) "
+                         f"and whole windows of its compression rates {rates}; set training.seq_len to a multiple of "
+                         f"{2 * cp * whole} of at least {2 * cp * max(args.window, whole)}, or lower the CP degree")
 
 
 def check(cfg, args, dims) -> None:
@@ -88,6 +102,8 @@ def check(cfg, args, dims) -> None:
     label, seq = f"{cfg.model.name} {cfg.model.flavor or 'model'}", cfg.training.seq_len
     rates = sorted({args.rate(i) for i in range(args.n_layers)} - {0})
     log = logging.getLogger("tessera")
+    if dims.cp > 1:
+        check_cp(cfg, args, dims.cp, label, rates)
     if any(seq % r for r in rates):  # a smoke run on short sequences runs: its last tokens are not compressed
         log.warning(f"training.seq_len: {seq} tokens is not a multiple of {label}'s compression rates {rates} "
                     f"(tokens per compressed entry): the last {seq % max(rates)} or fewer make no entry")

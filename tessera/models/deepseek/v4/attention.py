@@ -16,6 +16,8 @@ entries, all visible (HCA) or those selected (CSA), one softmax over both and th
 and no entry whose window starts before it; CSA's reach back stops at a document's start. A document that starts
 on a multiple of the rates gets the entries it gets alone."""
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,16 +99,19 @@ class Indexer(sparse.LightningIndexer):
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: torch.Tensor,
-                documents: torch.Tensor | None = None) -> sparse.Scoring:
+                documents: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+                key_documents: torch.Tensor | None = None) -> sparse.Scoring:
         """The queries' scoring over the compressed entries (entry j picked from its window's last token on, in its
-        first token's document)."""
+        first token's document): its compressor's of x, or `keys` given with their `key_documents` (context parallel's
+        whole sequence's)."""
         bsz, seq, _ = x.shape
-        keys = self.compressor(x, rope, documents)
-        q = rope_tail(self.wq_b(q_latent).view(bsz, seq, self.heads, self.head_dim), rope)
         rate = self.compressor.rate
+        if keys is None:
+            keys = self.compressor(x, rope, documents)
+            key_documents = None if documents is None else entry_documents(documents, rate, keys.shape[1])
+        q = rope_tail(self.wq_b(q_latent).view(bsz, seq, self.heads, self.head_dim), rope)
         return sparse.Scoring(q, self.weights_proj(x) * self.heads ** -0.5, keys, self.head_dim ** -0.5,
-                           first=rate - 1, stride=rate, q_documents=documents,
-                           k_documents=None if documents is None else entry_documents(documents, rate, keys.shape[1]))
+                              first=rate - 1, stride=rate, q_documents=documents, k_documents=key_documents)
 
 
 def entry_documents(documents: torch.Tensor, rate: int, n: int) -> torch.Tensor:
@@ -141,6 +146,61 @@ class GroupedLinear(nn.Linear):
         return torch.einsum("bsgi,goi->bsgo", x.unflatten(-1, (len(w), -1)), w).flatten(-2)
 
 
+class Parts(NamedTuple):
+    """What a V4 block attends with (its own modules and settings), handed to its core."""
+    compressor: Compressor | None  # None: a sliding block
+    indexer: Indexer | None  # CSA's
+    sdpa: CausalSDPA  # the attention kernel (its window and sinks)
+    head_sum: nn.Module | None
+    loss: SideLoss | None  # the indexer's
+    rate: int
+    topk: int
+
+
+def attend(parts: Parts, q: torch.Tensor, runs: list[tuple], entries: torch.Tensor | None,
+           entry_docs: torch.Tensor | None, scoring: sparse.Scoring | None, training: bool) -> torch.Tensor:
+    """Runs of queries, each q[:, :, a:b] against its `keys` [batch, 1, n, dim] (the run's own and the window's
+    before it; key 0 at position `first`, the run's queries the last of them, `docs` their documents) for `runs` of
+    (a, b, first, keys, docs), the compressed `entries` [batch, n, dim] (HCA: every one it sees; CSA: the indexer's
+    top-k of them, `scoring`'s) and the sinks, one softmax; while training, the indexer's loss attached."""
+    selected = None if scoring is None else parts.indexer.top_k(scoring, parts.topk, stable=True)
+    outs, probs = [], []
+    for a, b, first, keys, docs in runs:
+        picks = None if entries is None else Entries(entries, parts.rate, entry_docs,
+                                                     None if selected is None else selected[:, a:b])
+        out = parts.sdpa(q[:, :, a:b], keys, keys, docs, entries=picks, k_first=first)
+        if selected is not None:
+            out, p = out
+            probs.append(p)
+        outs.append(out)
+    out = torch.cat(outs, dim=2)
+    if scoring is not None and training and parts.loss.weight:
+        target = parts.head_sum(torch.cat(probs, dim=1), summed=True)
+        out = parts.loss.attach(out, parts.indexer.kl(scoring, target, selected))
+    return out
+
+
+class CompressedCore(nn.Module):
+    """V4's attention on this rank's whole sequence (`attend`: the window, the entries its compressor makes, CSA's
+    top-k, the sink). Parameterless (its block's modules come in `parts`), so context parallelism swaps it for one
+    whose sequence spans the ranks (tessera.parallel.cp.ContextParallelCompressed), which takes its `attend`."""
+
+    def forward(self, parts: Parts, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                rope: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """x [batch, seq, dim] and its query bottleneck `q_latent`; q [batch, heads, seq, dim], kv [batch, 1, seq,
+        dim] (keys that are their values), `rope` the tokens' rows, `documents` [batch, seq] -> [batch, heads,
+        seq, dim]."""
+        entries = entry_docs = scoring = None
+        if parts.compressor is not None:
+            entries = parts.compressor(x, rope, documents)
+            entry_docs = None if documents is None else entry_documents(documents, parts.rate, entries.shape[1])
+        if parts.indexer is not None:  # its inputs detached: its only signal is its own loss
+            scoring = parts.indexer(x.detach(), q_latent.detach(), rope, documents)
+        return self.attend(parts, q, [(0, q.shape[2], 0, kv, documents)], entries, entry_docs, scoring, self.training)
+
+    attend = staticmethod(attend)
+
+
 class V4Attention(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -161,6 +221,7 @@ class V4Attention(nn.Module):
         if csa:  # its loss: KL to the heads' attention over the entries it picked (DeepSeek V3.2's, sparse)
             self.indexer_loss = SideLoss("indexer_loss", "deepseek_v4.indexer_loss_weight")
             self.head_sum = sparse.HeadSum()
+        self.compressed_core = CompressedCore()  # its attention's steps, which context parallelism swaps
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,22 +239,8 @@ class V4Attention(nn.Module):
         kv = rope_tail(self.kv(x).unsqueeze(2), rope).squeeze(2)
         if documents is not None and cache is not None:
             raise ValueError("decoding packed documents is not supported")
-        entries = scoring = None
-        if self.compressor is not None:
-            compressed = self.compressor(x, rope, documents)
-            n = compressed.shape[1]
-            selected = None
-            if self.indexer is not None:  # its inputs detached: its only signal is its own loss
-                scoring = self.indexer(x.detach(), q_latent.detach(), rope, documents)
-                selected = self.indexer.top_k(scoring, self.topk, stable=True)
-            entries = Entries(compressed, self.rate, None if documents is None else
-                              entry_documents(documents, self.rate, n), selected)
-        kv = kv.unsqueeze(1)  # [batch, 1 head, seq, dim]: keys that are their values
-        out = self.sdpa(q.transpose(1, 2), kv, kv, documents, entries=entries)
-        out, probs = out if scoring is not None else (out, None)
+        parts = Parts(self.compressor, self.indexer, self.sdpa, getattr(self, "head_sum", None),
+                      getattr(self, "indexer_loss", None), self.rate, self.topk)
+        out = self.compressed_core(parts, x, q_latent, q.transpose(1, 2), kv.unsqueeze(1), rope, documents)
         out = rope_tail(out.transpose(1, 2)[:, -new:], rope[..., -new:, :, :], inverse=True)
-        out = self.wo_b(self.wo_a(out.flatten(2)))
-        if scoring is not None and self.training and self.indexer_loss.weight:
-            loss = self.indexer.kl(scoring, self.head_sum(probs, summed=True), entries.selected)
-            out = self.indexer_loss.attach(out, loss)
-        return out
+        return self.wo_b(self.wo_a(out.flatten(2)))

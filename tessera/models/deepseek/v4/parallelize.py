@@ -39,7 +39,9 @@ def block_tp_plan(head_dim: int):
         if attention.compressor is not None:
             extra["attention.compressor"] = Replicated(sum_grad_columns=head_dim)
         if attention.indexer is not None:
-            extra.update({"attention.indexer": Replicated(), "attention.head_sum": SummedOverRanks()})
+            # the indexer's parts replicated one by one: context parallel calls its compressor on its own
+            extra.update({f"attention.indexer.{part}": Replicated() for part in ("compressor", "wq_b", "weights_proj")})
+            extra["attention.head_sum"] = SummedOverRanks()
         if block.feed_forward.hash_experts is not None:  # replaces the shared plan's local_tokens("feed_forward")
             extra["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True,
