@@ -385,8 +385,10 @@ def _packed(tmp_path, model: list) -> list:
             "block_causal"]
 
 
-def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: list, op_ac: list) -> dict:
-    """Kimi Linear's and DeepSeek V4's layouts in the launch below: name -> (model and data, layout)."""
+def _later_family_cases(tmp_path, batch: str, ep: list, pp: list, tp: list, cp: list, op_ac: list, v32: list,
+                       glm5: list) -> dict:
+    """Kimi Linear's and DeepSeek V4's layouts, and DSA's and V4's under context parallel, in the launch below:
+    name -> (model and data, layout)."""
     kimi = ["--model.name", "kimi_linear", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2",
             "--kimi_linear.chunk_size", "8"]
     v4 = ["--model.name", "deepseek_v4", "--model.flavor", "debugmodel", "--moe.load_balance_rate", "1e-2"]
@@ -401,7 +403,13 @@ def _kimi_linear_and_v4_cases(tmp_path, batch: str, ep: list, pp: list, tp: list
             "V4 PP 2 x EP 2 x FSDP": (v4, [batch, "4", *ep, *pp]),
             "V4 TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *ep, *tp]),
             "V4 MTP PP 2 x EP 2 x FSDP": (v4_mtp, [batch, "4", *ep, *pp]),
-            "V4 MTP TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4_mtp), [batch, "4", *ep, *tp])}
+            "V4 MTP TP 2 x EP 2 x FSDP 2, documents": (_packed(tmp_path, v4_mtp), [batch, "4", *ep, *tp]),
+            "V3.2 CP 2 x FSDP 2, documents": (_packed(tmp_path, v32), [batch, "4", *cp]),
+            "V3.2 CP 2 x TP 2, documents": (_packed(tmp_path, v32), [batch, "8", *cp, *tp]),
+            "GLM-5 CP 2 x EP 2, documents": (_packed(tmp_path, glm5), [batch, "4", *cp, *ep]),
+            "V4 CP 2 x FSDP 2, documents": (_packed(tmp_path, v4), [batch, "4", *cp]),
+            "V4 CP 2 x TP 2, documents": (_packed(tmp_path, v4), [batch, "8", *cp, *tp]),
+            "V4 CP 2 x EP 2, documents": (_packed(tmp_path, v4), [batch, "4", *cp, *ep])}
 
 
 @pytest.mark.ranks
@@ -427,7 +435,10 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
     on packed documents TP 2 x EP 2 x FSDP 2 (query heads split, the key/value head, compressors and indexer whole,
     hash routing's token ids cut like the tokens); its two MTP depths under PP 2 x EP 2 x FSDP (on the last stage, fed
     the first stage's embeddings) and on packed documents TP 2 x EP 2 x FSDP 2 (the data ranks'
-    shares of each depth's trained targets unequal: the depth's mean counts them over both)."""
+    shares of each depth's trained targets unequal: the depth's mean counts them over both). All-gather CP on packed
+    documents for DSA (V3.2 under CP 2 x FSDP 2 and CP 2 x TP 2, GLM-5 under CP 2 x EP 2: the warm-up's 2 dense
+    steps, then each chunk's queries selecting among every earlier latent key) and for V4 (CP 2 x FSDP 2, x TP 2, x
+    EP 2: windows reading the chunk before, entries and indexer keys gathered)."""
     from tests.launch import assert_matches, one_process, run_cases
     from tests.test_speed_features import LOW_PRECISION_TOL
 
@@ -455,7 +466,7 @@ def test_fsdp_ep_pp_cp_and_tp_layouts_equal_one_process(tmp_path):
              [*v32, batch, "4", *ep, *pp], [*v32, batch, "4", *ep, *tp], [*glm5, batch, "2", *ep, *full_ac],
              [*v32, *_FLOAT8, batch, "2", *ep],
              [*kept, batch, "4", *pp, "--training.mixed_precision_param", "bfloat16"]]
-    kimi = _kimi_linear_and_v4_cases(tmp_path, batch, ep, pp, tp, cp, op_ac)
+    kimi = _later_family_cases(tmp_path, batch, ep, pp, tp, cp, op_ac, v32, glm5)
     results = run_cases(4, [*cases, *([*model, *layout] for model, layout in kimi.values())], 4)
     *exact, float8, bf16 = results[:len(cases)]
     for i, (got, reference) in enumerate(zip(exact, references[:-2], strict=True)):

@@ -220,6 +220,37 @@ def test_time_model_and_plan_take_the_cp_method_that_sends_less():
     assert cp_method(dims(2), args, 8) == "ulysses"  # a few tokens a rank: the states weigh more
 
 
+def test_dsa_and_v4_cp_gathers_latents_and_entries_never_ulysses():
+    """Under all-gather CP, DSA (V3.2 671B) gathers each token's latent key (512 + 64 RoPE) and indexer key (128),
+    whole on every TP rank: under 6% of what V3 671B's Ulysses moves at CP 8 (its 128 heads); DeepSeek
+    V4 Flash gathers a compressed block's entries (a 512-wide head per 4 or 128 tokens) and CSA's indexer keys
+    (its first two blocks, sliding, gather only a window).
+    Neither runs Ulysses (their keys span the sequence), so the time model and plan take all-gather at any CP."""
+    from types import SimpleNamespace
+
+    from tessera.estimate.cost import cp_bytes, cp_method
+    from tessera.plan import candidates
+
+    def dims(cp, tp=1):
+        return SimpleNamespace(cp=cp, tp=tp)
+
+    flags = ["--model.name", "deepseek_v3", "--training.seq_len", "131072", "--model.flavor"]
+    v32, _ = sizes(parse_args([*flags, "v32_671B"]))
+    v3, _ = sizes(parse_args([*flags, "671B"]))
+    assert cp_method(dims(8), v3, 16384) == "ulysses" and cp_method(dims(8), v32, 16384) == "allgather"
+    assert cp_bytes("allgather", dims(8, 2), v32, 1) == 2 * 7 * (512 + 64 + 128) * 2
+    assert cp_bytes("allgather", dims(8), v32, 1) < 0.06 * cp_bytes("ulysses", dims(8), v3, 1)
+    flash = parse_args(["--model.name", "deepseek_v4", "--model.flavor", "Flash", "--training.seq_len", "131072"])
+    v4, _ = sizes(flash)
+    compressed = [(512 + (128 if v4.rate(i) == v4.csa_rate else 0)) / v4.rate(i)
+                  for i in range(v4.n_layers) if v4.rate(i)]
+    assert len(compressed) == v4.n_layers - 2 and cp_method(dims(8), v4, 16384) == "allgather"
+    assert cp_bytes("allgather", dims(4), v4, 1) == pytest.approx(2 * 3 * sum(compressed) / v4.n_layers * 2)
+    methods = {c.cp: c.overrides(131072)["parallelism"].get("context_parallel_method")
+               for c in candidates(parse_args([*flags, "v32_671B"]), v32, 1024, 8, 0)}
+    assert methods[1] is None and {methods[cp] for cp in (2, 4, 8)} == {"allgather"}
+
+
 def test_plan_reduces_each_microbatch_where_only_that_fits(monkeypatch):
     """Llama 3 8B on PP 2 x FSDP 4 (the search kept to those degrees) and 24 GiB GPUs: a stage's whole gradients
     and gathered parameters (the estimate: 36 GiB with full AC) do not fit, the sharded ones (18 GiB) do. The floor

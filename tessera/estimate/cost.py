@@ -93,9 +93,13 @@ def cp_bytes(method: str, dims, args, rows: float, act: int = 2) -> float:
     """Bytes a rank sends per attention layer, forward and backward, for context parallel attention over `rows`
     of its tokens (parallelism.context_parallel_method). allgather: its keys and values to the CP - 1 other
     ranks, and their gradients back; ulysses: (CP - 1) / CP of its queries, keys and values (key heads repeated
-    where CP does not divide them) and of attention's output, and their gradients."""
+    where CP does not divide them) and of attention's output, and their gradients. A family whose all-gather CP
+    gathers other tensors (DSA's latent, V4's entries) says how many elements per token in `args.cp_gathered(tp)`."""
     if dims.cp == 1:
         return 0.0
+    gathered = getattr(args, "cp_gathered", lambda tp: None)(dims.tp)  # a family whose CP gathers other tensors
+    if method != "ulysses" and gathered is not None:
+        return 2 * (dims.cp - 1) * rows * gathered * act
     head_dim = getattr(args, "head_dim", args.dim // args.n_heads)
     kv = getattr(args, "n_kv_heads", args.n_heads) / dims.tp
     if method == "ulysses":
@@ -125,9 +129,11 @@ def cp_method(dims, args, rows: float = 1.0) -> str:
     """The context parallel method that sends fewer bytes (the same group's links carry either; the time model
     exposes both): ulysses where the heads divide by TP x CP and its all-to-alls move less than all-gather's keys
     and values, which is for CP > (query heads + key heads after repeats) / key heads per rank. `rows`: a rank's
-    tokens of a sequence (a hybrid's DeltaNet layers pass states under all-gather CP, whatever the length)."""
+    tokens of a sequence (a hybrid's DeltaNet layers pass states under all-gather CP, whatever the length). A family
+    whose `args.takes_ulysses` is false (keys a query selects span the sequence) runs all-gather."""
     ranks = dims.tp * dims.cp
-    if dims.cp == 1 or args.n_heads % ranks or getattr(args, "linear_k_heads", ranks) % ranks:
+    if dims.cp == 1 or args.n_heads % ranks or getattr(args, "linear_k_heads", ranks) % ranks \
+            or not getattr(args, "takes_ulysses", True):
         return "allgather"
     return "ulysses" if cp_bytes("ulysses", dims, args, rows) < cp_bytes("allgather", dims, args, rows) \
         else "allgather"

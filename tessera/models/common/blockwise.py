@@ -14,7 +14,7 @@ Keys come in sources (`Keys`), all under one softmax, with a learned sink logit 
 Each source is computed alone (its own softmax: an output and a log-sum-exp per query, `Kernels.forward`), and the
 sources and sinks merge by their log-sum-exps; backward takes each source's share from the merged output and
 log-sum-exp (`Kernels.backward`), as ring attention merges its partial blocks. A source's functions are the unit a
-fused kernel replaces (tessera.models.common.attention_triton). Queries are the last positions of the sequence:
+fused kernel replaces (a `Kernels` in KERNELS). Queries are the last positions of the sequence:
 query i stands at `q_first + i`. Heads are grouped (GQA, MQA): the query heads of a key head read it without
 copies. A block holds about SCORES_PER_BLOCK scores (fp32), so memory grows with the sequence, not its square."""
 
@@ -280,73 +280,113 @@ def _merge(parts, sink: torch.Tensor | None):
     return out, torch.where(seen, lse, float("inf"))
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call: Call, kernels: Kernels, want_picked: bool, rules: tuple, q: torch.Tensor,
-                sinks: torch.Tensor | None, q_docs: torch.Tensor | None, *tensors: torch.Tensor | None):
-        sources = _sources(rules, tensors)
-        sink = _sink_lse(sinks, q, call.kv_heads)
-        # the sources by position first: a selection's probabilities are taken in its pass, from the rest's total
-        parts = [_kernels_for(kernels, s, q).forward(call, s, q, q_docs) for s in sources if s.selected is None]
-        picked = None
-        for source in (s for s in sources if s.selected is not None):
-            rest = None
-            if want_picked:
-                others = [part[1] for part in parts] + ([sink] if sink is not None else [])
-                rest = torch.logsumexp(torch.stack(others), dim=0) if others else \
-                    q.new_full((q.shape[0], call.kv_heads, q.shape[1] // call.kv_heads, q.shape[2]), float("-inf"),
-                               dtype=torch.float32)
-            parts.append(_kernels_for(kernels, source, q).forward(call, source, q, q_docs, rest))
-            picked = parts[-1][2]
-        out, lse = _merge(parts, sink)
-        out = out.flatten(1, 2).to(q.dtype)
-        if picked is not None:
-            ctx.mark_non_differentiable(picked)
-        ctx.call, ctx.kernels, ctx.rules = call, kernels, rules
-        ctx.save_for_backward(q, sinks, q_docs, out, lse, *tensors)
-        ctx.mark_non_differentiable(lse)
-        return out, lse, picked
-
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor, _lse, _picked):
-        q, sinks, q_docs, out, lse, *tensors = ctx.saved_tensors
-        call, h = ctx.call, ctx.call.kv_heads
-        delta = (d_out.float() * out.float()).sum(-1).unflatten(1, (h, -1))
-        dq, grads = torch.zeros_like(q, dtype=torch.float32), []
-        for source in _sources(ctx.rules, tensors):
-            dq_s, dk, dv = _kernels_for(ctx.kernels, source, q).backward(call, source, q, q_docs, lse, d_out, delta)
-            dq += dq_s
-            grads += [dk.to(source.k.dtype), dv.to(source.v.dtype), None, None]
-        d_sinks = None
-        if sinks is not None:  # a sink's gradient: -sum over queries of its probability times delta
-            d_sinks = -((sinks.float().view(1, h, -1, 1) - lse).exp() * delta).sum((0, 3)).flatten().to(sinks.dtype)
-        return (None, None, None, None, dq.to(q.dtype), d_sinks, None, *grads)
+KERNELS = {"torch": TORCH}  # by name: a custom op's arguments are tensors, numbers and strings
 
 
-def _sources(rules: tuple, tensors) -> list[Keys]:
-    """The sources from their rules (first, stride, window, chunk, values are keys) and their tensors, four each."""
+def _sources(rules: list[int], tensors) -> list[Keys]:
+    """The sources from their rules (first, stride, window, chunk, values are keys: five numbers each) and their
+    tensors (keys, values, documents, selection: four each, an empty tensor for none)."""
     out = []
-    for i, (first, stride, window, chunk, same) in enumerate(rules):
-        k, v, documents, selected = tensors[4 * i:4 * i + 4]
+    for i in range(len(tensors) // 4):
+        first, stride, window, chunk, same = rules[5 * i:5 * i + 5]
+        k, v, documents, selected = (t if t.numel() else None for t in tensors[4 * i:4 * i + 4])
         out.append(Keys(k, k if same else v, first, stride, window, chunk, documents, selected))
     return out
 
 
-# Run eagerly inside a compiled block (a graph break): traced, its loop over blocks would unroll into the graph.
-@torch.compiler.disable
+# A custom op, opaque to the compiler: traced, its loop over blocks would unroll into the graph (and a graph break
+# is no option inside a checkpointed, whole-graph-compiled block).
+@torch.library.custom_op("tessera::blockwise_attention", mutates_args=())
+def _forward(q: torch.Tensor, sinks: torch.Tensor | None, q_docs: torch.Tensor | None,
+             tensors: list[torch.Tensor], rules: list[int], q_first: int, scale: float, kv_heads: int,
+             q_block: int, k_block: int, want_picked: bool,
+             kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call, sources = Call(q_first, scale, kv_heads, q_block, k_block), _sources(rules, tensors)
+    sink = _sink_lse(sinks, q, kv_heads)
+    # the sources by position first: a selection's probabilities are taken in its pass, from the rest's total
+    parts = [_kernels_for(KERNELS[kernels], s, q).forward(call, s, q, q_docs) for s in sources if s.selected is None]
+    picked = q.new_empty(0, dtype=torch.float32)
+    for source in (s for s in sources if s.selected is not None):
+        rest = None
+        if want_picked:
+            others = [part[1] for part in parts] + ([sink] if sink is not None else [])
+            rest = torch.logsumexp(torch.stack(others), dim=0) if others else \
+                q.new_full((q.shape[0], kv_heads, q.shape[1] // kv_heads, q.shape[2]), float("-inf"),
+                           dtype=torch.float32)
+        parts.append(_kernels_for(KERNELS[kernels], source, q).forward(call, source, q, q_docs, rest))
+        picked = parts[-1][2] if want_picked else picked
+    out, lse = _merge(parts, sink)
+    return out.flatten(1, 2).to(q.dtype).contiguous(), lse.contiguous(), picked.contiguous()
+
+
+@_forward.register_fake
+def _(q, sinks, q_docs, tensors, rules, q_first, scale, kv_heads, q_block, k_block, want_picked, kernels):
+    b, heads, n_q, _ = q.shape
+    selected = [t for t in tensors[3::4] if t.numel()]
+    picked = selected[-1].shape if want_picked and selected else (0,)
+    return (q.new_empty(b, heads, n_q, tensors[1].shape[-1]),
+            q.new_empty(b, kv_heads, heads // kv_heads, n_q, dtype=torch.float32),
+            q.new_empty(picked, dtype=torch.float32))
+
+
+@torch.library.custom_op("tessera::blockwise_attention_backward", mutates_args=())
+def _backward(d_out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor | None, q_docs: torch.Tensor | None,
+              out: torch.Tensor, lse: torch.Tensor, tensors: list[torch.Tensor], rules: list[int],
+              q_first: int, scale: float, kv_heads: int, q_block: int, k_block: int,
+              kernels: str) -> list[torch.Tensor]:
+    """-> [dq, the sinks' gradient (empty without sinks), then each source's keys' and values' gradients]."""
+    call, h = Call(q_first, scale, kv_heads, q_block, k_block), kv_heads
+    delta = (d_out.float() * out.float()).sum(-1).unflatten(1, (h, -1))
+    dq, grads = torch.zeros(q.shape, dtype=torch.float32, device=q.device), []
+    for source in _sources(rules, tensors):
+        dq_s, dk, dv = _kernels_for(KERNELS[kernels], source, q).backward(call, source, q, q_docs, lse, d_out, delta)
+        dq += dq_s
+        grads += [dk.to(source.k.dtype).contiguous(), dv.to(source.v.dtype).contiguous()]
+    d_sinks = q.new_empty(0)
+    if sinks is not None:  # a sink's gradient: -sum over queries of its probability times delta
+        d_sinks = -((sinks.float().view(1, h, -1, 1) - lse).exp() * delta).sum((0, 3)).flatten().to(sinks.dtype)
+    return [dq.to(q.dtype), d_sinks, *grads]
+
+
+@_backward.register_fake
+def _(d_out, q, sinks, q_docs, out, lse, tensors, rules, q_first, scale, kv_heads, q_block, k_block, kernels):
+    keys = [t for i in range(0, len(tensors), 4) for t in tensors[i:i + 2]]
+    return [torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            q.new_empty(0) if sinks is None else torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device),
+            *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in keys)]
+
+
+def _keep_for_backward(ctx, inputs, output):
+    q, sinks, q_docs, tensors, rules, q_first, scale, kv_heads, q_block, k_block, _, kernels = inputs
+    ctx.save_for_backward(q, sinks, q_docs, output[0], output[1], *tensors)
+    ctx.args = (rules, q_first, scale, kv_heads, q_block, k_block, kernels)
+
+
+def _gradients(ctx, d_out, _lse, _picked):
+    q, sinks, q_docs, out, lse, *tensors = ctx.saved_tensors
+    dq, d_sinks, *grads = _backward(d_out.contiguous(), q, sinks, q_docs, out, lse, tensors, *ctx.args)
+    per_tensor = [g for i in range(0, len(grads), 2) for g in (grads[i], grads[i + 1], None, None)]
+    return dq, None if sinks is None else d_sinks, None, per_tensor, *([None] * 8)
+
+
+_forward.register_autograd(_gradients, setup_context=_keep_for_backward)
+
+
 def attention(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, sinks: torch.Tensor | None = None,
-              q_documents: torch.Tensor | None = None, picked: bool = False, kernels: Kernels = TORCH,
+              q_documents: torch.Tensor | None = None, picked: bool = False, kernels: str = "torch",
               q_block: int = 0, k_block: int = 0):
     """q [batch, heads, n_q, dk] at positions q_first.. over `sources` (all with the same kv heads and value size),
     one softmax with `sinks` [heads] -> (out [batch, heads, n_q, dv], lse [batch, kv heads, groups, n_q], and with
     `picked` the probabilities of the selected source's keys summed over heads [batch, n_q, top-k], else None).
-    `kernels`: a source's functions (torch's by default); `q_block`, `k_block`: block sizes (0: chosen by size).
-    Every tensor (keys, values, documents, selections) is saved for backward as autograd's, so activation
-    checkpointing governs them all."""
-    call = Call(q_first, scale, sources[0].k.shape[1], q_block, k_block)
-    rules = tuple((s.first, s.stride, s.window, s.chunk, s.v is s.k) for s in sources)
-    tensors = [t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
-    return _Attention.apply(call, kernels, picked, rules, q, sinks, q_documents, *tensors)
+    `kernels`: the name of a source's functions in KERNELS (torch's by default); `q_block`, `k_block`: block sizes
+    (0: chosen by size). Every tensor (keys, values, documents, selections) is saved for backward as autograd's, so
+    activation checkpointing governs them all."""
+    rules = [x for s in sources for x in (s.first, s.stride, s.window, s.chunk, int(s.v is s.k))]
+    none = q.new_empty(0)  # a list's None has no gradient's place: an empty tensor stands for none
+    tensors = [none if t is None else t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
+    out, lse, chosen = _forward(q, sinks, q_documents, tensors, rules, q_first, scale, sources[0].k.shape[1],
+                                q_block, k_block, picked, kernels)
+    return out, lse, chosen if picked else None
 
 
 @torch.no_grad()

@@ -63,6 +63,20 @@ class DeepSeekV3Args:
         return self.qk_rope_head_dim
 
     @property
+    def takes_ulysses(self) -> bool:
+        """DSA's selected keys span the sequence, which Ulysses' head split cannot share out."""
+        return not self.index_topk
+
+    def cp_gathered(self, tp: int) -> float | None:
+        """Elements per token a block gathers under all-gather CP (tessera.estimate.cost.cp_bytes): DSA's
+        latent keys (the latent and the RoPE key, whole on every TP rank) and its indexer's one-head keys, in the
+        blocks with an indexer; None: dense MLA's heads, as any attention's."""
+        if not self.index_topk:
+            return None
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim * (
+            1 - len(self.index_shared) / self.n_layers)
+
+    @property
     def moe(self) -> MoEArgs:
         return MoEArgs(n_experts=self.n_experts, top_k=self.top_k, hidden=self.moe_hidden, n_shared=self.n_shared,
                        score_func=self.score_func, route_norm=self.norm_topk_prob, route_scale=self.route_scale,

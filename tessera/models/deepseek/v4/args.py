@@ -111,6 +111,16 @@ class DeepSeekV4Args:
     def rope_dim(self) -> int:
         return self.rope_head_dim
 
+    takes_ulysses = False  # the compressed entries span the sequence, which Ulysses' head split cannot share out
+
+    def cp_gathered(self, tp: int) -> float:
+        """Elements per token a block gathers under all-gather CP, on average over blocks
+        (tessera.estimate.cost.cp_bytes): a compressed block's entries (one key/value head per `rate` tokens) and a
+        CSA block's indexer keys per entry; each chunk's window tail, `window` keys once a chunk, is left out."""
+        per_block = [(self.head_dim + (self.index_head_dim if kind == CSA else 0)) / self.rate(i)
+                     for i, kind in enumerate(self.layer_types) if kind != SLIDING]
+        return sum(per_block) / self.n_layers
+
     def arch(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "max_seq_len"}
 
