@@ -454,6 +454,8 @@ BIG = {
                                       "parallelism.expert_parallel_degree")),
     "deepseek_v4_flash.toml": (128, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
                                      "parallelism.expert_parallel_degree")),
+    "deepseek_v4_flash_128k.toml": (256, ("parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+                                          "parallelism.expert_parallel_degree")),
     "deepseek_v4_pro.toml": (1024, ("parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
                                     "parallelism.expert_parallel_degree")),
 }

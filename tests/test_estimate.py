@@ -125,7 +125,8 @@ SHIPPED = {**{name: world for name, (world, _) in BIG.items()}, "llama3_8b.toml"
 # Shipped configs whose estimate traces for long: Kimi Linear 48B-A3B's KDA blocks are many small ops, each a DTensor
 # under its TP 2 (34 s here, a minute in CI beside another worker); DeepSeek V4's mHC, compressors and indexer too
 # (Flash: 45 s); TESSERA_SLOW=1 runs them too.
-SLOW_TO_TRACE = {"kimi_linear_48b_a3b.toml", "deepseek_v4_flash.toml", "deepseek_v4_pro.toml"}
+SLOW_TO_TRACE = {"kimi_linear_48b_a3b.toml", "deepseek_v4_flash.toml", "deepseek_v4_flash_128k.toml",
+                 "deepseek_v4_pro.toml"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
