@@ -284,13 +284,15 @@ KERNELS = {"torch": TORCH}  # by name: a custom op's arguments are tensors, numb
 
 
 def _sources(rules: list[int], tensors) -> list[Keys]:
-    """The sources from their rules (first, stride, window, chunk, values are keys: five numbers each) and their
-    tensors (keys, values, documents, selection: four each, an empty tensor for none)."""
+    """The sources from their rules (first, stride, window, chunk, and whether values are keys, documents and a
+    selection are given: seven numbers each) and their tensors (keys, values, documents, selection: four each, a
+    placeholder where not given)."""
     out = []
     for i in range(len(tensors) // 4):
-        first, stride, window, chunk, same = rules[5 * i:5 * i + 5]
-        k, v, documents, selected = (t if t.numel() else None for t in tensors[4 * i:4 * i + 4])
-        out.append(Keys(k, k if same else v, first, stride, window, chunk, documents, selected))
+        first, stride, window, chunk, same, has_documents, has_selected = rules[7 * i:7 * i + 7]
+        k, v, documents, selected = tensors[4 * i:4 * i + 4]
+        out.append(Keys(k, k if same else v, first, stride, window, chunk, documents if has_documents else None,
+                        selected if has_selected else None))
     return out
 
 
@@ -322,7 +324,7 @@ def _forward(q: torch.Tensor, sinks: torch.Tensor | None, q_docs: torch.Tensor |
 @_forward.register_fake
 def _(q, sinks, q_docs, tensors, rules, q_first, scale, kv_heads, q_block, k_block, want_picked, kernels):
     b, heads, n_q, _ = q.shape
-    selected = [t for t in tensors[3::4] if t.numel()]
+    selected = [t for t, given in zip(tensors[3::4], rules[6::7], strict=True) if given]
     picked = selected[-1].shape if want_picked and selected else (0,)
     return (q.new_empty(b, heads, n_q, tensors[1].shape[-1]),
             q.new_empty(b, kv_heads, heads // kv_heads, n_q, dtype=torch.float32),
@@ -381,8 +383,9 @@ def attention(q: torch.Tensor, sources: list[Keys], q_first: int, scale: float, 
     `kernels`: the name of a source's functions in KERNELS (torch's by default); `q_block`, `k_block`: block sizes
     (0: chosen by size). Every tensor (keys, values, documents, selections) is saved for backward as autograd's, so
     activation checkpointing governs them all."""
-    rules = [x for s in sources for x in (s.first, s.stride, s.window, s.chunk, int(s.v is s.k))]
-    none = q.new_empty(0)  # a list's None has no gradient's place: an empty tensor stands for none
+    rules = [x for s in sources for x in (s.first, s.stride, s.window, s.chunk, int(s.v is s.k),
+                                          int(s.documents is not None), int(s.selected is not None))]
+    none = q.new_empty(0)  # a list's None has no gradient's place: a placeholder stands for none
     tensors = [none if t is None else t for s in sources for t in (s.k, s.v, s.documents, s.selected)]
     out, lse, chosen = _forward(q, sinks, q_documents, tensors, rules, q_first, scale, sources[0].k.shape[1],
                                 q_block, k_block, picked, kernels)
