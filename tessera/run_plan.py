@@ -60,7 +60,7 @@ class ResumePoint:
 @dataclass(frozen=True)
 class DataPlan:
     """What validation found of the data."""
-    own: bool  # the family brings its own data (ModelSpec.data), checked by its own check
+    own: bool  # the family brings its own data (OwnTraining.data), checked by its own check
     prepared: bool  # pre-tokenized folders, memory-mapped (training.dataset tokenized, or files on a prepared folder)
     resumes_position: bool  # the run resumes a checkpoint's data position (a full checkpoint, dataloader loaded)
 

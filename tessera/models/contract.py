@@ -123,9 +123,6 @@ class ModelSpec:
     # folder implies for `draw`, {} when none (Flux: the encoders of the release the folder is part of)
     encode: Callable | None = None  # (cfg, args, device) -> Encoded: what its frozen encoders make of the run's data,
     # for `python -m tessera.cache`; ValueError "key: why; fix"
-    data: Callable | None = None  # (cfg, world, args, splits, bad) -> {split: this rank's loader (next_batch,
-    # rewind, state_dict, load_state_dict)}, built in one call so they share what is built once (Flux's frozen
-    # encoders), for a family that brings its own data (Flux: image-caption pairs); None: tokens
     begin_step: Callable | None = None  # (model or a pipeline stage's part, cfg, step from 0): what a training step
     # sets on the model before its forwards (DeepSeek V3.2's dense warm-up switch); None: nothing
     convert: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)  # {mode: ("file" or "folder" it

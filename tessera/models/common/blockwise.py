@@ -1,6 +1,7 @@
 """Attention a block of queries against a block of keys at a time, with an online softmax (the flash-attention
-algorithm, in torch): no [queries x keys] tensor lives at once, forward or backward. A custom autograd function
-keeps each query's output and log-sum-exp and recomputes its scores block by block in backward. It is the torch
+algorithm, in torch): no [queries x keys] tensor lives at once, forward or backward. A custom op (opaque to
+torch.compile, so a compiled block calls it whole, checkpointed or not) with its own backward keeps each query's
+output and log-sum-exp and recomputes its scores block by block in backward. It is the torch
 path of every attention kind (tessera.models.common.attention.CausalSDPA): CPU runs, CUDA where FlexAttention does
 not fit (heads wider than 128), decoding, and all-gather context parallel's chunks.
 
