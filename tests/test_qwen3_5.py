@@ -103,10 +103,13 @@ def test_the_options_set_each_deltanet_layer_and_one_line_says_which_kernel_runs
         model = DENSE.spec().model(dataclasses.replace(DENSE.flavors["tiny"], vocab_size=50))
     with caplog.at_level("INFO", logger="tessera"):
         apply_options(model, Qwen35Options(chunk_size=8, kernel="auto"), torch.device("cpu"), rank0=True)
+        apply_options(model, Qwen35Options(chunk_size=8, kernel="auto"), torch.device("cpu"), rank0=True,
+                      state_passing=True)
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     assert len(layers) == 2 and {(m.chunk_size, m.kernel) for m in layers} == {(8, "auto")}
     assert [r.getMessage() for r in caplog.records] == [
-        "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk"]
+        "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk",
+        "Gated DeltaNet (2 layers): the chunked torch path, 8 per chunk (all-gather CP: state passing)"]
 
 
 @pytest.mark.fast
@@ -414,6 +417,9 @@ def test_hsdp_muon_float8_and_ulysses_cp_equal_one_process(tmp_path):
     ([*_DENSE, "--parallelism.context_parallel_degree", "8", "--training.seq_len", "32"], 8,
      "parallelism.context_parallel_degree: all-gather CP 8 cuts each sequence into 16 chunks of 2 tokens, and "
      "qwen3_5 tiny's DeltaNet convolution reads the 3 before each token"),
+    ([*_DENSE, "--parallelism.context_parallel_degree", "2", "--qwen3_5.kernel", "fla"], 2,
+     "qwen3_5.kernel: fla's kernels do not run under all-gather CP 2: its DeltaNet layers pass states between the "
+     "ranks' chunks in the chunked torch form"),
 ])
 def test_layouts_the_hybrid_cannot_take_are_refused_before_launch(argv, world, line):
     from tessera.config import ConfigError

@@ -15,12 +15,14 @@ class LinearAttentionOptions:
                           "chunks a scan; larger chunks do more parallel work and fewer sequential steps (fla's "
                           "kernels fix their own)", min=1)
     kernel: str = opt("auto", "the linear-attention layers' kernel: auto (fla's on CUDA when flash-linear-attention "
-                      "is installed, else the chunked torch one), torch, or fla (CUDA, needs the fla extra)",
+                      "is installed, else the chunked torch one), torch, or fla (CUDA, needs the fla extra; not under "
+                      "all-gather CP, whose state passing runs the torch one)",
                       choices=("auto", "torch", "fla"))
 
 
-def apply_options(model, options: LinearAttentionOptions, device, rank0: bool) -> None:
-    """Each linear-attention layer computes as the options say; one line says which kernel runs."""
+def apply_options(model, options: LinearAttentionOptions, device, rank0: bool, state_passing: bool = False) -> None:
+    """Each linear-attention layer computes as the options say; one line says which kernel runs (`state_passing`:
+    under all-gather CP the layers run the chunked torch form from each chunk's initial state, whatever the kernel)."""
     from tessera.models.common.deltanet import LinearMixer
 
     layers = [m for m in model.modules() if isinstance(m, LinearMixer)]
@@ -30,10 +32,17 @@ def apply_options(model, options: LinearAttentionOptions, device, rank0: bool) -
         raise ValueError(f"kernel = 'fla': fla's kernels run on CUDA with flash-linear-attention installed, not on "
                          f"{device.type}; use auto or torch")
     if layers and rank0:
-        fla = layers[0].uses_fla(device)
+        fla = layers[0].uses_fla(device) and not state_passing
         logging.getLogger("tessera").info(
             f"{layers[0].label} ({len(layers)} layers): "
-            + ("fla's chunked kernels" if fla else f"the chunked torch path, {options.chunk_size} per chunk"))
+            + ("fla's chunked kernels" if fla else f"the chunked torch path, {options.chunk_size} per chunk")
+            + (" (all-gather CP: state passing)" if state_passing else ""))
+
+
+def state_passing(world, cfg) -> bool:
+    """Whether the linear-attention layers pass states between CP ranks (all-gather CP) rather than run whole
+    sequences (Ulysses, no CP)."""
+    return world.dims.cp > 1 and cfg.parallelism.context_parallel_method != "ulysses"
 
 
 def check(cfg, dims, section: str, conv_kernel: int, key_heads: int, mixer: str) -> None:
@@ -55,5 +64,9 @@ def check(cfg, dims, section: str, conv_kernel: int, key_heads: int, mixer: str)
                          f"heads over TP {dims.tp} x CP {dims.cp} = {ranks} ranks, which do not divide them; use "
                          f"a CP degree dividing the {key_heads // dims.tp} key heads per TP rank, or "
                          f"context_parallel_method = \"allgather\" (the linear layers by state passing)")
+    if options.kernel == "fla" and dims.cp > 1 and method != "ulysses":
+        raise ValueError(f"{section}.kernel: fla's kernels do not run under all-gather CP {dims.cp}: its {mixer} "
+                         f"layers pass states between the ranks' chunks in the chunked torch form; use kernel = "
+                         f"\"auto\" or \"torch\", or context_parallel_method = \"ulysses\"")
     if options.kernel == "fla" and importlib.util.find_spec("fla") is None:
         raise ValueError(f"{section}.kernel: fla is not installed; pip install 'tessera[fla]' (CUDA), or use auto")

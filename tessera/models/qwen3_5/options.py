@@ -2,9 +2,9 @@
 compute (tessera.models.common.linear_options)."""
 
 from tessera.models.common import linear_options
-from tessera.models.common.linear_options import LinearAttentionOptions as Qwen35Options, apply_options
+from tessera.models.common.linear_options import LinearAttentionOptions as Qwen35Options, apply_options, state_passing
 
-__all__ = ["Qwen35Options", "apply_options", "check"]
+__all__ = ["Qwen35Options", "apply_options", "check", "state_passing"]
 
 
 def check(cfg, args, dims, section: str = "qwen3_5") -> None:

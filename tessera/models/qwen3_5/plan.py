@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from tessera.models.common.deltanet import GatedDeltaNet
 from tessera.models.common.plan import QK_NORM_BLOCK_TP_PLAN, parallelize_decoder
-from tessera.models.qwen3_5.options import apply_options
+from tessera.models.qwen3_5.options import apply_options, state_passing
 from tessera.parallel.tp import ShardedByHead, attention_plan
 
 _NORMS = ("attention_norm", "ffn_norm")
@@ -25,6 +25,7 @@ def block_plan(block) -> dict:
 def plan(section: str, high_precision: tuple[str, ...]):
     """A family's `parallelize` (model, world, cfg) -> model; its options from the config section `section`."""
     def parallelize(model, world, cfg):
-        apply_options(model, getattr(cfg, section), world.device, world.rank == 0)
+        apply_options(model, getattr(cfg, section), world.device, world.rank == 0,
+                      state_passing=state_passing(world, cfg))
         return parallelize_decoder(model, world, cfg, block_plan, high_precision)
     return parallelize

@@ -7,7 +7,7 @@ the out-projection row-wise. CP: all-gather or Ulysses for MLA, state passing or
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from tessera.models.common.linear_options import apply_options
+from tessera.models.common.linear_options import apply_options, state_passing
 from tessera.models.common.plan import NORMS, parallelize_decoder
 from tessera.models.deepseek.kimi_linear import FAMILY
 from tessera.models.deepseek.kimi_linear.model import KimiDeltaAttention
@@ -20,7 +20,7 @@ KDA_TP_PLAN = {**attention_plan("attention", ("wq", "wk", "wv", "wf_b", "wb", "w
 
 
 def parallelize(model, world, cfg):
-    apply_options(model, cfg.kimi_linear, world.device, world.rank == 0)
+    apply_options(model, cfg.kimi_linear, world.device, world.rank == 0, state_passing=state_passing(world, cfg))
     mla = mla_tp_plan(model.args)
     return parallelize_decoder(model, world, cfg,
                                lambda block: KDA_TP_PLAN if isinstance(block.attention, KimiDeltaAttention) else mla,
