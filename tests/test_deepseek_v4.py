@@ -259,13 +259,11 @@ def test_short_sequences_run_with_a_line_saying_what_they_change(caplog):
 
 
 def test_compiled_blocks_compile_once_per_kind_of_block_not_per_step():
-    """Each block compiled (dynamo, eager backend): the first steps compile a graph per kind of block (sliding, CSA,
-    HCA; hash-routed or not), the third and fourth recompile nothing. (The second may compile once more: a CSA block
-    breaks its graph at the indexer's top-k, so its cache entry of the block's code, compiled after the sliding
-    block's and tried first, guards too little to tell the sliding block apart; the sliding block then runs its
-    attention as a frame of its own, compiled on its second pass.)"""
+    """Each block compiled (dynamo, eager backend): the first step compiles a graph per kind of block (sliding, CSA,
+    HCA; hash-routed or not), the second recompiles nothing. (The attention, the indexer's top-k and its loss are
+    custom ops: a CSA block breaks no graph where they run.)"""
     tokens = torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(1))
-    assert_steps_do_not_recompile(_debug().train(), lambda m: m(tokens, labels=tokens), 4, {2, 3})
+    assert_steps_do_not_recompile(_debug().train(), lambda m: m(tokens, labels=tokens), 2, {1})
 
 
 @pytest.mark.ranks

@@ -86,25 +86,50 @@ class Scoring:
         return out
 
 
-@torch.compiler.disable  # eagerly inside a compiled block: traced, its loops would unroll into the graph
-@torch.no_grad()
+def _scoring_args(scoring: Scoring) -> tuple:
+    """A Scoring as a custom op's arguments (tensors detached: the ops' gradients are their own)."""
+    spans = [x for run in scoring.spans for x in run]
+    return (scoring.q.detach(), scoring.w.detach(), scoring.k.detach(), scoring.q_documents, scoring.k_documents,
+            scoring.scale, scoring.q_first, scoring.first, scoring.stride, spans)
+
+
+def _scoring(q, w, k, q_documents, k_documents, scale, q_first, first, stride, spans) -> Scoring:
+    return Scoring(q, w, k, scale, q_first, first, stride, q_documents, k_documents,
+                   tuple(zip(spans[0::3], spans[1::3], spans[2::3], strict=True)))
+
+
+# Custom ops, opaque to the compiler: traced, their loops over blocks would unroll into the graph (and a graph break
+# in a compiled block would split it where the indexer runs).
+@torch.library.custom_op("tessera::index_top_k", mutates_args=())
+def _top_k(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_documents: torch.Tensor | None,
+           k_documents: torch.Tensor | None, scale: float, q_first: int, first: int, stride: int, spans: list[int],
+           topk: int, stable: bool) -> torch.Tensor:
+    scoring = _scoring(q, w, k, q_documents, k_documents, scale, q_first, first, stride, spans)
+    b, n_q, n_k = scoring.q.shape[0], scoring.q.shape[1], scoring.k.shape[1]
+    width = min(topk, n_k)
+    out = torch.full((b, n_q, width), -1, dtype=torch.long, device=scoring.k.device)
+    for i0, i1 in scoring.blocks(b * n_k):
+        rows = scoring.logits(i0, i1, scoring.key_end(i1), n_k)
+        if stable:
+            values, picks = rows.sort(dim=-1, descending=True, stable=True)
+            values, picks = values[..., :width], picks[..., :width]
+        else:
+            values, picks = rows.topk(width, dim=-1)
+        out[:, i0:i1] = picks.masked_fill(values == float("-inf"), -1)
+    return out
+
+
+@_top_k.register_fake
+def _(q, w, k, q_documents, k_documents, scale, q_first, first, stride, spans, topk, stable):
+    return q.new_empty(q.shape[0], q.shape[1], torch.sym_min(topk, k.shape[1]), dtype=torch.long)
+
+
 def top_k(scoring: Scoring, topk: int, stable: bool = False) -> torch.Tensor:
     """[batch, n_q, min(topk, n_k)] int64: the keys each query ranks highest among those it may pick (-1 where fewer
     are). A row's scores span all n_k keys (those after the block masked), so which of equal scores torch's topk
     keeps is what it keeps over the whole row (it depends on the row's length). `stable`: equal scores (the relu's
     zeros) go to the earlier key, whatever the shapes (decoding, a document packed elsewhere)."""
-    b, n_q, n_k = scoring.q.shape[0], scoring.q.shape[1], scoring.k.shape[1]
-    k = min(topk, n_k)
-    out = torch.full((b, n_q, k), -1, dtype=torch.long, device=scoring.k.device)
-    for i0, i1 in scoring.blocks(b * n_k):
-        rows = scoring.logits(i0, i1, scoring.key_end(i1), n_k)
-        if stable:
-            values, picks = rows.sort(dim=-1, descending=True, stable=True)
-            values, picks = values[..., :k], picks[..., :k]
-        else:
-            values, picks = rows.topk(k, dim=-1)
-        out[:, i0:i1] = picks.masked_fill(values == float("-inf"), -1)
-    return out
+    return _top_k(*_scoring_args(scoring), topk, stable)
 
 
 class WithGradients(torch.autograd.Function):
@@ -174,13 +199,35 @@ def _kl_and_gradients(scoring: Scoring, target, selected: torch.Tensor | None):
     return total, dq, dk, dw
 
 
-@torch.compiler.disable  # eagerly inside a compiled block, as top_k
+@torch.library.custom_op("tessera::index_kl_selected", mutates_args=())
+def _kl_selected(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_documents: torch.Tensor | None,
+                 k_documents: torch.Tensor | None, scale: float, q_first: int, first: int, stride: int,
+                 spans: list[int], target: torch.Tensor,
+                 selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_kl_and_gradients over the selected keys, as a custom op (as top_k)."""
+    scoring = _scoring(q, w, k, q_documents, k_documents, scale, q_first, first, stride, spans)
+    return tuple(x.contiguous() for x in _kl_and_gradients(scoring, target, selected))
+
+
+@_kl_selected.register_fake
+def _(q, w, k, q_documents, k_documents, scale, q_first, first, stride, spans, target, selected):
+    return (q.new_empty((), dtype=torch.float32),
+            *(torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, w)))
+
+
+# over every key (a dense warm-up), the target is a function of each block: eagerly inside a compiled block
+_kl_over_every_key = torch.compiler.disable(_kl_and_gradients)
+
+
 def indexer_kl(scoring: Scoring, target, selected: torch.Tensor | None = None) -> torch.Tensor:
     """The mean over queries of KL(p || softmax(I)), I the indexer's logits: over the `selected` keys [batch, n_q,
     top-k] with `target` p [batch, n_q, top-k] (the heads' summed attention probabilities of those keys, HeadSum's),
     or, `selected` None, over every key a query may pick with `target(i0, i1, end)` giving queries i0..i1's p over
     keys [0, end). No gradient into p; the gradients of q, k and w are computed with the loss, a block at a time."""
-    value, dq, dk, dw = _kl_and_gradients(scoring, target, selected)
+    if selected is None:
+        value, dq, dk, dw = _kl_over_every_key(scoring, target, None)
+    else:
+        value, dq, dk, dw = _kl_selected(*_scoring_args(scoring), target.detach(), selected)
     n = scoring.q.shape[0] * scoring.q.shape[1]  # the gradients kept in their inputs' dtypes, as autograd makes them
     inputs = (scoring.q, scoring.k, scoring.w)
     return WithGradients.apply(value / n, 3, *inputs, *((g / n).to(x.dtype) for g, x in zip((dq, dk, dw), inputs,
